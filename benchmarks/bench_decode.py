@@ -12,6 +12,10 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   prompt, so prefill is excluded from both sides.
 * batches of ≤ 16 rows run their projections as fused Triton GEMVs; ``--compare-gemv`` also times
   them with cuBLAS (``FastDecoder.use_gemv = False``) in the same run.
+* fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
+  where the tuner finds it faster, single-launch decode attention where a graph uses one split),
+  ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions``
+  also times every batch with them off in the same run ("unfused" column).
 
 Usage:
     python benchmarks/bench_decode.py                          # both shapes, batch 1/8/32/64, KV 1k/8k
@@ -36,13 +40,24 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--steps", type=int, default=128, help="decode steps per timed run")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--hf-batches", type=int, nargs="+", default=[1], help="batch sizes also run through HF generate")
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="batches run by HF (none: skip)")
     p.add_argument("--hf-steps", type=int, default=32)
     p.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory the cache may take")
     p.add_argument(
         "--compare-gemv", action="store_true", help="also time batches ≤ 16 with cuBLAS projections instead of the GEMVs"
     )
+    p.add_argument("--fusions", choices=("default", "all", "off"), default="default", help="decoder fusions")
+    p.add_argument("--compare-fusions", action="store_true", help="also time every batch without fusions")
     return p
+
+
+def set_fusions(runner, mode: str) -> None:
+    """Set the decoder's fusions (``default``, ``all``, ``off``); the next step recaptures its graphs."""
+    dec = runner.decoder
+    dec.fuse_attention = {"default": None, "all": True, "off": False}[mode]
+    dec.fuse_mlp = mode != "off"
+    runner._graphs.clear()
+    runner._pool = None
 
 
 def kv_bytes_per_token(layout) -> int:
@@ -106,7 +121,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         batches = [b for b in args.batches if b <= fits]
         for b in args.batches:
             if b > fits:
-                rows.append([name, b, kv, "does not fit", "", "", "", "", "", ""])
+                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", ""])
         if not batches:
             continue
         cache = SlotKVCache(
@@ -115,6 +130,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         cache.k.normal_()
         cache.v.normal_()
         runner = FastModelRunner(model, cache, layout)
+        set_fusions(runner, args.fusions)
         weight_bytes = runner.decoder.weight_bytes()
         for b in batches:
             step = time_generate(runner, b, kv, args.steps, args.repeats)
@@ -126,17 +142,22 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                     runner._pool = None
                     if not use:
                         cublas = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
+            unfused = ""
+            if args.compare_fusions and args.fusions != "off":
+                set_fusions(runner, "off")
+                unfused = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
+                set_fusions(runner, args.fusions)
             kv_read = b * (kv + args.steps / 2) * kv_bytes_per_token(layout)
             floor = (weight_bytes + kv_read) / bandwidth
             hf_tps = hf.get((b, kv))
             tps = b / step
             rows.append([
                 name, b, kv, tps, step * 1e3, floor * 1e3, step / floor,
-                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas,
+                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
             ])  # fmt: skip
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
         chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v}
-        print(f"[{name}] GEMV instead of cuBLAS for (shape, rows, bias): {chosen}", flush=True)
+        print(f"[{name}] GEMV instead of cuBLAS for (shape, rows, bias, act): {chosen}", flush=True)
         del runner, cache
         gc.collect()
         torch.cuda.empty_cache()
@@ -157,10 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows += bench_model(name, args, bandwidth)
     print()
+    headers = [
+        "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
+        "cuBLAS ms/step", "unfused ms/step",
+    ]  # fmt: skip
     print_table(
-        ["model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF", "cuBLAS ms/step"],
+        headers,
         rows,
-        title=f"Decode, {device_line()}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.steps} greedy steps",
+        title=f"Decode, {device_line()}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.steps} greedy steps"
+        + f"; fusions {args.fusions}",
     )
     return 0
 

@@ -12,6 +12,7 @@ import torch
 
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast import FastModelRunner, graph_buckets, unsupported_reason
+from compaction_gym.engine.fast.kernels import HAS_TRITON, _interpreting
 from compaction_gym.engine.fast.sampler import DeviceSampling, counter_uniform, sample_device
 from compaction_gym.engine.model_runner import ModelLayout, ModelRunner, RowFeed
 from compaction_gym.engine.sampler import sampling_logprobs
@@ -118,7 +119,11 @@ def test_nnls_fista_reaches_the_nnls_optimum():
     a[1, :, 7] = 0  # a variable that no probe sees
     gram, rhs = a.mT @ a, a.sum(1)
     w = nnls_fista(gram, rhs)
-    assert torch.equal(w, nnls_fista_torch(gram, rhs)) and bool((w >= 0).all())
+    if HAS_TRITON and _interpreting():  # the kernel itself ran (interpreted), with its own rounding
+        assert torch.allclose(w, nnls_fista_torch(gram, rhs), rtol=1e-4, atol=1e-5)
+    else:
+        assert torch.equal(w, nnls_fista_torch(gram, rhs))
+    assert bool((w >= 0).all())
 
     def objective(w):
         return ((a @ w[:, :, None])[..., 0] - 1).pow(2).sum(-1)

@@ -87,6 +87,8 @@ def test_gemv_matches_torch(dtype):
         assert rel(gemv(x, w, b, **tiling), gemv_ref(x, w, b)) < tol
         assert rel(gemv(x, w, norm_weight=nw, **tiling), gemv_ref(x, w, norm_weight=nw)) < tol
         assert rel(gemv(gu, w, silu=True, **tiling), gemv_ref(gu, w, silu=True)) < tol
+        if n % 2 == 0:  # w as [gate; up] with the SiLU·mul epilogue
+            assert rel(gemv(x, w, b, act="silu_mul", **tiling), gemv_ref(x, w, b, act="silu_mul")) < tol
         outs = [torch.full_like(r, float("nan")) for _ in range(2)]
         y = gemv(x, w, b, norm_weight=nw, residual=r, residual_out=outs[0], **tiling)
         y_ref = gemv_ref(x, w, b, norm_weight=nw, residual=r, residual_out=outs[1])
@@ -143,10 +145,66 @@ def test_decode_attention_matches_reference(dtype, group):
     lens = torch.tensor([700, 1, 0, 65, 333, 129], device=CUDA)
     ref = decode_attention_ref(q, kc, vc, beta, slots, lens, 0.09)
     for splits in (1, 4, 16):
-        out = decode_attention(q, kc, vc, beta, slots, lens, 0.09, num_splits=splits)
-        assert out[2].abs().max() == 0  # a zero-length (padding) row
-        assert rel(out, ref) < TOL[dtype]
+        outs = []
+        for fused in (True, False):  # one launch (the last split merges) / split + merge kernels
+            out = decode_attention(q, kc, vc, beta, slots, lens, 0.09, num_splits=splits, fused_merge=fused)
+            assert out[2].abs().max() == 0  # a zero-length (padding) row
+            assert rel(out, ref) < TOL[dtype]
+            outs.append(out)
+        assert rel(outs[0], outs[1]) < TOL[dtype] / 10
     assert rel(decode_attention_sdpa(q, kc, vc, beta, slots, lens, 0.09), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (32, 8)])  # Qwen3-0.6B / 4B query and KV heads (d = 128)
+def test_fused_decode_attention_real_shapes_and_graph_replay(shape):
+    """Single-launch attention = two-kernel attention (bf16) at the runner's split counts; replayed
+    in a CUDA graph its counters reset (identical outputs)."""
+    from compaction_gym.engine.fast.attention import num_splits_for
+
+    n_q, n_kv = shape
+    g = torch.Generator(device="cuda").manual_seed(n_q)
+    d, cap = 128, 4096
+    kc = torch.randn(32, n_kv, cap, d, generator=g, device=CUDA).to(torch.bfloat16)
+    vc = torch.randn(32, n_kv, cap, d, generator=g, device=CUDA).to(torch.bfloat16)
+    beta = torch.randn(32, n_kv, cap, generator=g, device=CUDA)
+    for batch in (1, 8, 32):
+        q = torch.randn(batch, n_q, d, generator=g, device=CUDA).to(torch.bfloat16)
+        slots = torch.randperm(32, generator=g, device=CUDA)[:batch]
+        lens = torch.randint(0, cap + 1, (batch,), generator=g, device=CUDA)
+        splits = num_splits_for(batch, n_kv, cap)
+        args = (q, kc, vc, beta, slots, lens, d**-0.5, splits)
+        two = decode_attention(*args, fused_merge=False)
+        fused = decode_attention(*args)
+        assert rel(fused, two) < 1e-2 and rel(fused, decode_attention_ref(*args[:7])) < TOL[torch.bfloat16]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            decode_attention(*args)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = decode_attention(*args)
+        outs = []
+        for _ in range(3):
+            y.fill_(float("nan"))
+            graph.replay()
+            outs.append(y.clone())
+        assert torch.equal(outs[0], fused) and torch.equal(outs[1], fused) and torch.equal(outs[2], fused)
+
+
+@pytest.mark.parametrize("shape", [(6144, 1024), (19456, 2560)])  # Qwen3-0.6B / 4B gate_up
+def test_fused_gate_up_real_shapes(shape):
+    """The GEMV with the SiLU·mul epilogue = cuBLAS + ``silu_mul`` (bf16) for every candidate tiling."""
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (torch.randn(n, k, generator=g, device=CUDA) * k**-0.5).to(torch.bfloat16)
+    for m in (1, 8, 16):
+        x = torch.randn(m, k, generator=g, device=CUDA).to(torch.bfloat16)
+        ref = K.silu_mul(torch.nn.functional.linear(x, w))
+        for tiling in GEMV_CANDIDATES:
+            y = gemv(x, w, act="silu_mul", **tiling)
+            assert rel(y, ref) < TOL[torch.bfloat16]
+            assert rel(y, K.silu_mul(gemv(x, w, **tiling))) < 1e-3  # the same products, one launch fewer
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -227,26 +285,56 @@ def test_fast_runner_bf16_as_close_to_fp32_as_generic(tiny_model_path):
 
 
 def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
-    """Decode graphs with every projection forced onto the GEMV give cuBLAS's tokens (float32)."""
+    """Decode graphs with every projection forced onto the GEMV (gate/up with its SiLU·mul epilogue)
+    and single-launch attention give the tokens of cuBLAS graphs without fusions (float32)."""
     _, fast = _runners(tiny_model_path, torch.float32)
     prompts = {1: list(range(50, 90)), 3: list(range(7, 19))}
     first = fast.forward([RowFeed(s, ids, 0) for s, ids in prompts.items()]).argmax(-1).tolist()
     saved = fast.cache.k.clone(), fast.cache.v.clone(), list(fast.cache.lengths)
     greedy = [SP(temperature=0.0)] * 2
     dec = fast.decoder
-    dec.use_gemv = False
-    toks_cublas, lps_cublas = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 20)
+    assert dec.fuse_attention is None and dec.fuse_mlp  # the defaults (attention: one launch at one split)
+    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = False
+    starts = [len(p) for p in prompts.values()]
+    toks_cublas, lps_cublas = fast.generate(list(prompts), first, starts, greedy, 20)
     fast.cache.k.copy_(saved[0])
     fast.cache.v.copy_(saved[1])
     fast.cache.lengths[:] = saved[2]
     fast._graphs.clear()
     fast._pool = None
-    dec.use_gemv = True
-    dec._tune = lambda x, w, b: ("gemv", {})  # every projection of the graph on the GEMV
-    toks, lps = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 20)
+    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = True
+    dec._tune = lambda x, w, b, act=None: ("gemv", {})  # every projection of the graph on the GEMV
+    toks, lps = fast.generate(list(prompts), first, starts, greedy, 20)
     assert dec._gemv_choice and all(dec._gemv_choice.values())
+    assert any(key[-1] == "silu_mul" for key in dec._gemv_choice)  # gate/up took the fused epilogue
     assert toks == toks_cublas
     assert max(abs(a - b) for r1, r2 in zip(lps, lps_cublas) for a, b in zip(r1, r2)) < 1e-4
+
+
+def test_programmatic_dependent_launch_changes_nothing(tiny_model_path, monkeypatch):
+    """``COMPACTION_GYM_PDL=1``: decode graphs (every projection on the GEMV, both fusions) give
+    bit-identical tokens and logprobs (the kernels only start earlier)."""
+    from compaction_gym.engine.fast.kernels import _pdl_supported, pdl_enabled
+
+    if not _pdl_supported(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9 and Triton >= 3.4")
+    _, fast = _runners(tiny_model_path, torch.bfloat16)
+    prompts = {1: list(range(50, 90)), 3: list(range(7, 19))}
+    first = fast.forward([RowFeed(s, ids, 0) for s, ids in prompts.items()]).argmax(-1).tolist()
+    saved = fast.cache.k.clone(), fast.cache.v.clone(), list(fast.cache.lengths)
+    greedy = [SP(temperature=0.0)] * 2
+    fast.decoder._tune = lambda x, w, b, act=None: ("gemv", {})
+    out = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("COMPACTION_GYM_PDL", pdl)
+        assert pdl_enabled(fast.cache.k) == (pdl == "1")
+        fast.cache.k.copy_(saved[0])
+        fast.cache.v.copy_(saved[1])
+        fast.cache.lengths[:] = saved[2]
+        fast._graphs.clear()
+        fast._pool = None
+        out[pdl] = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 24)
+    assert out["0"] == out["1"]
 
 
 def test_generate_equals_forward_loop(tiny_model_path):
@@ -295,7 +383,11 @@ def test_compact_fast_equals_compact(dtype, beta):
             errors = [output_error(keys, values, queries, span, r, key_bias) for r in (out, ref)]
             assert errors[0] < 1.05 * errors[1] + 1e-4
         else:
-            assert rel(out.values, ref.values) < (1e-4 if dtype == torch.float32 else 2e-2)
+            # the reference solves C2 in float64, the fast path in the cache dtype: compare the values
+            # loosely and the output error they give tightly
+            assert rel(out.values, ref.values) < (5e-3 if dtype == torch.float32 else 2e-2)
+            errors = [output_error(keys, values, queries, span, r, key_bias) for r in (out, ref)]
+            assert errors[0] < 1.01 * errors[1] + (1e-5 if dtype == torch.float32 else 1e-3)
 
 
 def output_error(keys, values, queries, span, result, key_bias) -> float:

@@ -7,7 +7,11 @@ stored float32 logit bias β added to every key's logit. Three implementations o
   (batch row, KV head, split): it loads the G query heads that share the KV head once, streams
   only the K/V/β tiles of its share of ``[0, len_b)`` (the length is read from a device tensor,
   so the launch is CUDA-graph capturable and never touches rows past a row's length), and keeps
-  an online softmax in float32. A second kernel merges the splits by their log-sum-exp.
+  an online softmax in float32. The splits are merged by their log-sum-exp in the same launch:
+  each program stores its float32 partials, bumps a counter of its (row, KV head) (acq_rel, after
+  a barrier), and the last one to finish merges that KV head's query heads and resets the
+  counter (graph replays start from zero again); one split stores its output directly.
+  ``fused_merge=False`` keeps the earlier second merge kernel.
 * :func:`decode_attention_sdpa` — the fallback: SDPA over the whole capacity with a length mask
   (capturable too, but it reads every row of the capacity).
 * :func:`decode_attention_ref` — a float64 loop, the reference of the tests.
@@ -26,23 +30,60 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton
+from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton, pdl_enabled, pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from compaction_gym.engine.fast.kernels import mma
+    from compaction_gym.engine.fast.kernels import mma, pdl_prologue
+
+    @triton.jit
+    def _merge_splits(
+        O_PART, LSE_PART, OUT, b, kvh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        CHUNK: tl.constexpr, D: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_merge_kernel`'s log-sum-exp merge of the splits for the ``GROUP`` query heads of KV
+        head ``kvh``, stored into ``OUT``. The partials were written by other programs: reads bypass
+        L1. The splits are read in unrolled chunks of ``CHUNK`` (all in flight at once) and summed in
+        a fixed order."""
+        offs_g = tl.arange(0, BLOCK_G)
+        gmask = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+        l_base = LSE_PART + b * stride_lb + heads * stride_lh  # [G]
+        o_base = O_PART + b * stride_ob + heads * stride_oh  # [G]
+        offs_s = tl.arange(0, BLOCK_S)
+        lmask = gmask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+        lse = tl.load(l_base[:, None] + offs_s[None, :], mask=lmask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+        offs_c = tl.arange(0, CHUNK)
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for c0 in tl.static_range(0, NUM_SPLITS, CHUNK):
+            sp = c0 + offs_c
+            cmask = gmask[:, None] & (sp < NUM_SPLITS)[None, :]  # [G, C]
+            lse_c = tl.load(l_base[:, None] + sp[None, :], mask=cmask, other=float("-inf"), cache_modifier=".cg")
+            o_ptr = o_base[:, None, None] + sp[None, :, None] * stride_os + offs_d[None, None, :]
+            o = tl.load(o_ptr, mask=cmask[:, :, None], other=0.0, cache_modifier=".cg")  # [G, C, D]
+            acc += tl.sum(o * tl.exp2(lse_c - m[:, None])[:, :, None], axis=1)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        o_ptr = OUT + b * stride_b + heads[:, None] * stride_h + offs_d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, BETA, SLOTS, LENS, O_PART, LSE_PART,
+        Q, K, V, BETA, SLOTS, LENS, O_PART, LSE_PART, OUT, CNT,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kr, stride_vs, stride_vh, stride_vr,
-        stride_bs, stride_bh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        stride_bs, stride_bh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
         scale_log2,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -81,16 +122,32 @@ if HAS_TRITON:
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_ptr = O_PART + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :]
-        tl.store(o_ptr, out, mask=hmask[:, None])
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
+        if FUSED and NUM_SPLITS == 1:  # the only split: its output is the result
+            out_ptr = OUT + b * stride_b + heads[:, None] * stride_h + offs_d[None, :]
+            tl.store(out_ptr, out.to(OUT.dtype.element_ty), mask=hmask[:, None])
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            o_ptr = O_PART + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :]
+            tl.store(o_ptr, out, mask=hmask[:, None])
+            tl.store(LSE_PART + b * stride_lb + heads * stride_lh + sp, lse, mask=hmask)
+            if FUSED:
+                # the last split program of this (row, KV head) merges its query heads, in split order
+                tl.debug_barrier()  # every thread's partial is stored before the counter moves
+                idx = b * tl.num_programs(1) + kvh
+                done = tl.atomic_add(CNT + idx, 1, sem="acq_rel", scope="gpu")
+                if done == NUM_SPLITS - 1:
+                    _merge_splits(
+                        O_PART, LSE_PART, OUT, b, kvh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                        stride_b, stride_h, GROUP, BLOCK_G, NUM_SPLITS, BLOCK_S, CHUNK, D,
+                    )  # fmt: skip
+                    tl.atomic_xchg(CNT + idx, 0)  # ready for the next launch (graph replay)
 
     @triton.jit
     def _merge_kernel(
         O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -170,6 +227,28 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, sm_count: int = 1
     return int(min(64, tiles, 1 << (want - 1).bit_length()))
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 counters, one per (row, KV head), shared by the fused launches of one size.
+
+    Launches on one stream run one after another and each leaves its counters at zero, so every
+    layer (and every captured graph) of a size can share them. Created on first use outside graph
+    capture (the runner's warm-up steps run first); ``None`` if first asked for during a capture.
+    """
+    key = (device, n)
+    if key not in _COUNTERS:
+        if _capturing(device):
+            return None
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -180,6 +259,7 @@ def decode_attention(
     scale: float,
     num_splits: int = 8,
     block_n: int = 64,
+    fused_merge: bool = True,
 ) -> torch.Tensor:
     """Attention of one query per row over its slot's first ``lens[b]`` rows, with β.
 
@@ -191,6 +271,8 @@ def decode_attention(
             a row with length 0 (padding) gets a zero output.
         scale: logit scale.
         num_splits: sequence splits per (row, KV head) (fixed per captured graph).
+        fused_merge: one launch: the last split program of each (row, KV head) to finish merges
+            the splits (one split: stores its output directly); else a second kernel merges.
 
     Returns:
         ``[B, H_q, d]`` in ``q``'s dtype.
@@ -200,23 +282,36 @@ def decode_attention(
     if not _use_triton(q) or d & (d - 1) or d < 16:
         return decode_attention_sdpa(q, k_cache, v_cache, beta, slots, lens, scale)
     group = n_q // n_kv
-    o_part = torch.empty(batch, n_q, num_splits, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch, n_q, num_splits, dtype=torch.float32, device=q.device)
+    block_g, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
+    out = torch.empty_like(q)
+    cnt = None
+    if fused_merge and num_splits > 1:
+        cnt = _split_counters(q.device, batch * n_kv)
+    fused = fused_merge and (num_splits == 1 or cnt is not None)
+    if fused and num_splits == 1:  # no partials at all
+        o_part, lse_part, cnt = out, out, out
+    else:
+        o_part = torch.empty(batch, n_q, num_splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, n_q, num_splits, dtype=torch.float32, device=q.device)
+        cnt = cnt if fused else out
     _split_kernel[(batch, n_kv, num_splits)](
-        q, k_cache, v_cache, beta, slots, lens, o_part, lse_part,
+        q, k_cache, v_cache, beta, slots, lens, o_part, lse_part, out, cnt,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), beta.stride(0), beta.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=d,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, FUSED=fused, PDL=pdl_enabled(q),
+        BLOCK_G=block_g, BLOCK_S=block_s, CHUNK=min(block_s, max(1, 32 // block_g)), num_warps=4, num_stages=2, **pdl_launch(q),
     )  # fmt: skip
-    out = torch.empty_like(q)
-    _merge_kernel[(batch, n_q)](
-        o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, num_warps=1,
-    )  # fmt: skip
+    if not fused:
+        _merge_kernel[(batch, n_q)](
+            o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, PDL=pdl_enabled(q),
+            num_warps=1, **pdl_launch(q),
+        )  # fmt: skip
     return out
 
 

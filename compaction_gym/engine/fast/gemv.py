@@ -19,6 +19,13 @@ where it beats cuBLAS; see docs/benchmarks.md):
   the first output tile): every program computes the rows' ``rsqrt(mean(h²) + eps)`` itself;
 * ``silu``: ``x = [gate | up]`` ``[M, 2K]`` → ``silu(gate) · up`` with :func:`silu_mul`'s roundings.
 
+The output epilogue ``act="silu_mul"`` (used by the decoder for gate/up) takes ``W = [gate; up]``
+``[2I, K]`` as it is stored and gathers the rows so that each output tile holds matching gate and
+up rows (tile column ``2j`` is gate row ``c``, ``2j + 1`` up row ``I + c``); the value stored —
+at the single-split store or by the last split's reducer — is ``silu(gate) · up`` ``[M, I]`` with
+:func:`~compaction_gym.engine.fast.kernels.silu_mul_ref`'s roundings. Any even ``BLOCK_N`` works,
+no interleaved copy of the weight is needed, and the HF modules keep their views.
+
 :func:`gemv_ref` is the torch reference (and what runs without Triton).
 """
 
@@ -26,7 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton, rms_norm_ref, silu_mul_ref
+from compaction_gym.engine.fast.kernels import (
+    HAS_TRITON,
+    _use_triton,
+    pdl_enabled,
+    pdl_launch,
+    rms_norm_ref,
+    silu_mul_ref,
+)
 
 #: Largest number of rows :func:`gemv` takes (the tensor-core tile height).
 GEMV_MAX_M = 16
@@ -36,6 +50,8 @@ GEMV_CANDIDATES: tuple[dict, ...] = ({}, {"block_k": 256}, {"block_k": 512})
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from compaction_gym.engine.fast.kernels import pdl_prologue
 
     @triton.jit
     def _input_tile(X, R, RO, NW, offs_m, offs_k, mmask, kmask, stride_x, stride_r, stride_ro, K, rstd, write_res,
@@ -61,19 +77,46 @@ if HAS_TRITON:
         return xk
 
     @triton.jit
+    def _store_output(Y, BIAS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Store the float32 tile ``acc`` (+ bias) in ``Y``'s dtype; with ``ACT``, ``silu(gate) · up``
+        of its (gate, up) column pairs with :func:`silu_mul_ref`'s roundings (gate and up rounded as
+        a projection's output would be, SiLU rounded, product rounded) into ``[M, N / 2]``."""
+        dt = Y.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(BIAS + w_idx, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if ACT:
+            gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+            g = gate.to(dt).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            out = (s * up.to(dt).to(tl.float32)).to(dt)
+            offs_c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            mask = mmask[:, None] & (offs_c < N // 2)[None, :]
+            tl.store(Y + offs_m[:, None] * stride_y + offs_c[None, :], out, mask=mask)
+        else:
+            y_ptr = Y + offs_m[:, None] * stride_y + offs_n[None, :]
+            tl.store(y_ptr, acc.to(dt), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
     def _gemv_kernel(
         X, R, RO, NW, W, BIAS, Y, WS, CNT,
         M, N, K, k_split, stride_x, stride_r, stride_ro, stride_w, stride_y, eps,
         NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, SILU: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the tile (of [M, N])
         nmask = offs_n < N
+        # with ACT, tile column 2j is gate row c and 2j + 1 up row N/2 + c, for output column c = offs_n // 2
+        if ACT:  # noqa: SIM108 - a statement-level branch on a constexpr
+            w_idx = offs_n // 2 + (offs_n % 2) * (N // 2)
+        else:
+            w_idx = offs_n
         rstd = tl.zeros([BLOCK_M], tl.float32)
         if NORM:  # the rows' RMS over all of K (each program: x is tiny next to W)
             ss = tl.zeros([BLOCK_M], tl.float32)
@@ -91,7 +134,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_lo = pid_k * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
-        w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+        w_rows = W + w_idx.to(tl.int64)[:, None] * stride_w
         write_res = pid_n == 0  # the first output tile's programs (one per split) write residual + x
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -104,11 +147,9 @@ if HAS_TRITON:
             else:
                 acc += tl.dot(xk, tl.trans(w))
         out_mask = mmask[:, None] & nmask[None, :]
-        y_ptr = Y + offs_m[:, None] * stride_y + offs_n[None, :]
         if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=out_mask)
+            _store_output(Y, BIAS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                          HAS_BIAS, ACT, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             # partial of this split; the last split program of the tile reduces, in split order
             ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]
@@ -119,9 +160,8 @@ if HAS_TRITON:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s in range(SPLIT):
                     total += tl.load(ws_tile + s * (BLOCK_M * N), mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=out_mask)
+                _store_output(Y, BIAS, total, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                              HAS_BIAS, ACT, BLOCK_M, BLOCK_N)  # fmt: skip
                 tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch (graph replay)
 
 
@@ -147,7 +187,7 @@ def _workspace(device: torch.device, n: int, split: int, n_tiles: int) -> tuple[
 def gemv_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None, silu: bool = False,
+    residual_out: torch.Tensor | None = None, silu: bool = False, act: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Reference of :func:`gemv` (torch ops)."""
     if silu:
@@ -160,13 +200,15 @@ def gemv_ref(
             x = rms_norm_ref(h, norm_weight, eps)
         else:
             x = rms_norm_ref(x, norm_weight, eps)
-    return torch.nn.functional.linear(x, weight, bias)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return silu_mul_ref(y) if act == "silu_mul" else y
 
 
-def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor, act: str | None = None) -> bool:
     """Whether :func:`gemv` runs its kernel for these operands (else it runs :func:`gemv_ref`)."""
     return (
-        _use_triton(x)
+        (act is None or weight.shape[0] % 2 == 0)
+        and _use_triton(x)
         and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_MAX_M
         and x.dtype == weight.dtype
@@ -179,10 +221,11 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None, silu: bool = False, sm_count: int | None = None,
-    block_n: int | None = None, block_k: int | None = None, split: int | None = None,
+    residual_out: torch.Tensor | None = None, silu: bool = False, act: str | None = None,
+    sm_count: int | None = None, block_n: int | None = None, block_k: int | None = None, split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``f(x) Wᵀ (+ bias)`` for ``x [M ≤ 16, K]`` (``[M, 2K]`` with ``silu``), ``W [N, K]`` → ``[M, N]``.
+    """``f(x) Wᵀ (+ bias)`` for ``x [M ≤ 16, K]`` (``[M, 2K]`` with ``silu``), ``W [N, K]`` → ``[M, N]``
+    (``[M, N / 2]`` with ``act``).
 
     Args:
         x, weight, bias: the operands (same dtype; ``weight`` rows contiguous).
@@ -190,13 +233,18 @@ def gemv(
         residual: with ``norm_weight``, normalise ``residual + x`` instead.
         residual_out: where ``residual + x`` is written (must not alias ``residual`` or ``x``).
         silu: the input is ``[gate | up]``; use ``silu(gate) · up``.
+        act: ``"silu_mul"``: the output is ``silu_mul(f(x) Wᵀ)`` for ``W = [gate rows; up rows]``
+            (``N`` even): each output tile multiplies matching gate and up rows, and the value
+            stored is ``silu(gate) · up`` with :func:`silu_mul_ref`'s roundings.
         sm_count: multiprocessors of the device (for the split-K choice).
         block_n, block_k, split: override the tiling (tests and benchmarks).
     """
-    if not gemv_supported(x, weight):
+    assert act in (None, "silu_mul"), act
+    if not gemv_supported(x, weight, act):
         return gemv_ref(
-            x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=residual_out, silu=silu
-        )
+            x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=residual_out,
+            silu=silu, act=act,
+        )  # fmt: skip
     m = x.shape[0]
     n, k = weight.shape
     assert x.shape[1] == (2 * k if silu else k), (tuple(x.shape), tuple(weight.shape), silu)
@@ -211,7 +259,7 @@ def gemv(
         split = max(1, min(triton.cdiv(2 * sms, n_tiles), k // (4 * bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
-    y = x.new_empty(m, n)
+    y = x.new_empty(m, n // 2 if act else n)
     if split > 1:
         ws, cnt = _workspace(x.device, n, split, n_tiles)
     else:
@@ -222,7 +270,9 @@ def gemv(
         x, r, ro, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, ws, cnt,
         m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm_weight is not None, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, SILU=silu,
-        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, BLOCK_M=GEMV_MAX_M, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=GEMV_MAX_M, BLOCK_N=bn,
+        BLOCK_K=bk, PDL=pdl_enabled(x),
         num_warps=4, num_stages=max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
+        **pdl_launch(x),
     )  # fmt: skip
     return y

@@ -10,9 +10,19 @@ Roundings follow Hugging Face's modules (normalise in float32, round to the mode
 multiply by the weight; rotary products rounded one by one), so the fast path tracks the generic
 path to the last bit in float32 and closely in bf16. The references are what the kernels are
 tested against and what runs where Triton is missing.
+
+**Programmatic dependent launch** (opt-in, ``COMPACTION_GYM_PDL=1``): on Hopper and later with
+Triton ≥ 3.4, the decode step's Triton kernels (these, the GEMV, decode attention) are launched
+with ``launch_pdl=True``: each waits for the previous kernel's completion (``griddepcontrol.wait``)
+as its first instruction, before any load or store, and then lets the next kernel launch, so the
+next launch's set-up overlaps this kernel's run. Results are unchanged (every read and write
+happens after the wait). :func:`pdl_enabled` says whether a launch uses it.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -24,6 +34,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 HAS_TRITON = triton is not None
+
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the environment
+    gdc_wait = gdc_launch_dependents = None
 
 
 # --------------------------------------------------------------------------- references
@@ -53,8 +68,9 @@ def qkv_rope_store_ref(
     rows: torch.Tensor,
     n_q: int,
     n_kv: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of :func:`qkv_rope_store`; returns q ``[N, H_q, d]``."""
+    """Reference of :func:`qkv_rope_store`; returns q ``[N, H_q, d]`` (written into ``out`` when given)."""
     n, d = qkv.shape[0], k_cache.shape[-1]
     q = qkv[:, : n_q * d].reshape(n, n_q, d)
     k = qkv[:, n_q * d : (n_q + n_kv) * d].reshape(n, n_kv, d)
@@ -72,7 +88,7 @@ def qkv_rope_store_ref(
     live = slots >= 0
     k_cache[slots[live], :, rows[live]] = k[live].to(k_cache.dtype)
     v_cache[slots[live], :, rows[live]] = v[live].to(v_cache.dtype)
-    return q
+    return q if out is None else out.copy_(q)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -85,6 +101,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
+    def pdl_prologue(PDL: tl.constexpr):
+        """With ``PDL``: wait for the previous kernel (its writes visible), then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
     def mma(a, b, IEEE: tl.constexpr):
         """``a @ b`` accumulated in float32; with ``IEEE``, exact float32 products (no TF32)."""
         if IEEE:  # noqa: SIM108 - a statement-level branch on a constexpr
@@ -94,7 +117,11 @@ if HAS_TRITON:
         return c
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        X, R, W, Y, stride_x, stride_r, stride_y, n, eps,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
@@ -110,7 +137,8 @@ if HAS_TRITON:
         tl.store(Y + row * stride_y + offs, (w * normed).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, stride_gu, stride_y, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, stride_gu, stride_y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -124,8 +152,9 @@ if HAS_TRITON:
         QKV, stride_t, POS, COS, SIN, stride_cs, QW, KW, Q_OUT, stride_qo_t, stride_qo_h,
         K_CACHE, V_CACHE, stride_ks, stride_kh, stride_kr, stride_vs, stride_vh, stride_vr,
         SLOTS, ROWS, eps,
-        N_Q: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+        N_Q: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)  # q heads, then k heads, then v heads
         half = tl.arange(0, D // 2)
@@ -170,9 +199,29 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_enabled(x: torch.Tensor) -> bool:
+    """Whether Triton launches on ``x``'s device use programmatic dependent launch (module docstring):
+    ``COMPACTION_GYM_PDL=1``, a CUDA device of compute capability ≥ 9, Triton with grid dependency
+    control, not the interpreter."""
+    if os.environ.get("COMPACTION_GYM_PDL") != "1" or not x.is_cuda or _interpreting():
+        return False
+    return _pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """Launch options of a Triton kernel on ``x``'s device: ``launch_pdl`` where :func:`pdl_enabled`."""
+    return {"launch_pdl": True} if pdl_enabled(x) else {}
+
+
+@functools.cache
+def _pdl_supported(device: int) -> bool:
+    if not HAS_TRITON or gdc_wait is None:
+        return False
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 4) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -192,7 +241,8 @@ def rms_norm(
     r = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](
         x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl_enabled(x),
+        num_warps=4 if n <= 4096 else 8, **pdl_launch(x),
     )  # fmt: skip
     return y
 
@@ -205,7 +255,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     y = gate_up.new_empty(n_rows, n)
     block = 1024
-    _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](
+        gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block, PDL=pdl_enabled(gate_up), **pdl_launch(gate_up)
+    )  # fmt: skip
     return y
 
 
@@ -223,6 +275,7 @@ def qkv_rope_store(
     rows: torch.Tensor,
     n_q: int,
     n_kv: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split the fused projection, normalise and rotate q/k, store k/v in the slot cache.
 
@@ -233,15 +286,20 @@ def qkv_rope_store(
         q_norm, k_norm: per-head RMSNorm weights ``[d]`` (Qwen3) or ``None``.
         k_cache, v_cache: one layer of the slot cache ``[slots, H_kv, capacity, d]`` (strided views).
         slots, rows: where each token's k/v go; ``slot < 0`` skips the store (padding rows).
+        out: where to write the queries (``[N, H_q, d]``, last dim contiguous; e.g. a recording
+            buffer, which saves a copy), else a new tensor.
 
     Returns:
-        Rotated queries ``[N, H_q, d]``.
+        Rotated queries ``[N, H_q, d]`` (``out`` when given).
     """
     d = k_cache.shape[-1]
     if not _use_triton(qkv) or d % 2 or (d & (d - 1)):
-        return qkv_rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, rows, n_q, n_kv)
+        return qkv_rope_store_ref(
+            qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, rows, n_q, n_kv, out
+        )
     n = qkv.shape[0]
-    q = qkv.new_empty(n, n_q, d)
+    q = qkv.new_empty(n, n_q, d) if out is None else out
+    assert q.shape == (n, n_q, d) and q.stride(-1) == 1 and q.dtype == qkv.dtype
     _qkv_rope_store_kernel[(n, n_q + 2 * n_kv)](
         qkv, qkv.stride(0), positions, cos, sin, cos.stride(0),
         q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
@@ -249,6 +307,7 @@ def qkv_rope_store(
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         slots, rows, eps,
-        N_Q=n_q, N_KV=n_kv, D=d, HAS_NORM=q_norm is not None, num_warps=1 if d <= 128 else 2,
+        N_Q=n_q, N_KV=n_kv, D=d, HAS_NORM=q_norm is not None, PDL=pdl_enabled(qkv),
+        num_warps=1 if d <= 128 else 2, **pdl_launch(qkv),
     )  # fmt: skip
     return q

@@ -9,7 +9,8 @@ slot cache, attention, the output GEMM, a fused add + RMSNorm, one gate/up GEMM,
 kernel and the down GEMM. For batches of at most 16 tokens (small-batch decode) each projection
 runs either cuBLAS or the Triton split-K GEMV (:mod:`~compaction_gym.engine.fast.gemv`),
 whichever measured faster for its shape and batch size on this device (timed once, with CUDA
-graphs, before the decode graph is captured).
+graphs, before the decode graph is captured); gate/up may also run as one GEMV with the SiLU·mul
+in its epilogue (:attr:`FastDecoder.fuse_mlp`), timed against the unfused pair the same way.
 
 :meth:`FastDecoder.run` runs a flat batch of tokens with any attention function: the decode
 step (one token per row, Triton flash-decode) and the batched prefill (many rows of different
@@ -18,6 +19,7 @@ lengths, SDPA over their slot rows) share it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,6 +139,15 @@ class FastDecoder:
         self.device = self.embed.device
         #: let captured decode graphs of ≤ 16 rows use the split-K GEMV where it beats cuBLAS
         self.use_gemv = True
+        fusions = os.environ.get("COMPACTION_GYM_FUSIONS", "1") != "0"
+        #: decode attention in one launch (the last split program merges; read by the runner):
+        #: ``True`` always, ``False`` never (split + merge kernels), ``None`` (default) only where the
+        #: runner uses one split — with several, the last program's serial merge (release fence,
+        #: atomic, dependent L2 reads) measured slower on an H200 than a graph-launched merge kernel
+        self.fuse_attention: bool | None = None if fusions else False
+        #: in captured graphs of ≤ 16 rows, gate/up GEMV with the SiLU·mul in its epilogue, where
+        #: it measured faster than the projection and ``silu_mul`` run separately
+        self.fuse_mlp = fusions
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
         self.graph_mode = False
         self._gemv_choice: dict[tuple, tuple | bool] = {}
@@ -209,6 +220,7 @@ class FastDecoder:
         attend: AttendFn,
         last: torch.Tensor | None = None,
         record: Callable[[int, torch.Tensor], None] | None = None,
+        q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``N`` tokens through every layer; return logits of the tokens ``last`` (default all).
 
@@ -219,6 +231,8 @@ class FastDecoder:
             attend: attention over the cache for one layer (the tokens' K/V are stored first).
             last: token indices whose logits are returned.
             record: called with ``(layer, q)`` for every layer's rotated queries ``[N, H_q, d]``.
+            q_out: ``[layers, N, H_q, d]``: where each layer's rotated queries are written (by the
+                RoPE kernel itself: recording them costs no copy).
 
         Returns:
             Logits ``[len(last), V]`` in the model dtype.
@@ -234,13 +248,14 @@ class FastDecoder:
             q = qkv_rope_store(
                 qkv, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, self.eps,
                 k_cache[:, i], v_cache[:, i], slots, rows, self.n_q, self.n_kv,
+                out=q_out[i] if q_out is not None else None,
             )  # fmt: skip
             if record is not None:
                 record(i, q)
             attn = attend(i, q).reshape(q.shape[0], -1)
             x = self._linear(attn, lw.o, lw.o_bias)
             y = rms_norm(x, lw.post_norm, self.eps, residual)
-            x = self._linear(silu_mul(self._linear(y, lw.gate_up)), lw.down)
+            x = self._linear(self._gate_up_silu(y, lw.gate_up), lw.down)
         if last is not None:
             x, residual = x[last], residual[last]
         y = rms_norm(x, self.norm, self.eps, residual)
@@ -255,46 +270,81 @@ class FastDecoder:
         captured graph then holds the faster one. Eagerly run batches always use cuBLAS: a Triton
         launch costs more host time than the product itself at these sizes.
         """
-        m = x.shape[0]
-        if self.graph_mode and self.use_gemv and m <= GEMV_MAX_M and gemv_supported(x, weight):
-            key = (tuple(weight.shape), 1 << (m - 1).bit_length(), bias is not None)
-            if not torch.cuda.is_current_stream_capturing():
-                if key not in self._gemv_choice:
-                    self._gemv_choice[key] = self._tune(x, weight, bias)
-            elif self._gemv_choice.get(key):
-                return gemv(x, weight, bias, sm_count=self.sm_count, **self._gemv_choice[key][1])
+        tiling = self._gemv_tiling(x, weight, bias, None)
+        if tiling is not None:
+            return gemv(x, weight, bias, sm_count=self.sm_count, **tiling)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def _tune(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple | bool:
+    def _gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(x Gᵀ) · (x Uᵀ)`` for ``gate_up = [G; U]``: in captured graphs of ≤ 16 rows the GEMV
+        with the SiLU·mul epilogue (one launch) where it measured faster, else projection + :func:`silu_mul`."""
+        if self.fuse_mlp:
+            tiling = self._gemv_tiling(x, gate_up, None, "silu_mul")
+            if tiling is not None:
+                return gemv(x, gate_up, act="silu_mul", sm_count=self.sm_count, **tiling)
+        return silu_mul(self._linear(x, gate_up))
+
+    def _gemv_tiling(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None
+    ) -> dict | None:
+        """The GEMV tiling a captured graph runs for this product, or ``None`` (cuBLAS / unfused).
+
+        Outside capture (the runner's warm-up steps) a new (shape, row bucket, bias, act) is timed
+        first (:meth:`_tune`); during capture the choice is looked up.
+        """
+        m = x.shape[0]
+        if not (self.graph_mode and self.use_gemv and m <= GEMV_MAX_M and gemv_supported(x, weight, act)):
+            return None
+        key = (tuple(weight.shape), 1 << (m - 1).bit_length(), bias is not None, act)
+        if not torch.cuda.is_current_stream_capturing():
+            if key not in self._gemv_choice:
+                self._gemv_choice[key] = self._tune(x, weight, bias, act)
+            return None  # warm-up steps run the plain path (its kernels and workspaces get made too)
+        choice = self._gemv_choice.get(key)
+        return choice[1] if choice else None
+
+    def _tune(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None = None
+    ) -> tuple | bool:
         """Time cuBLAS and the GEMV tilings of :data:`GEMV_CANDIDATES` on this shape (CUDA-graph replays).
 
         The weights rotate through the layers' matrices of the same shape (so the timing reads
         HBM, as decode does). Returns ``("gemv", tiling)`` when a GEMV beats cuBLAS by 3 %, else
-        ``False``. Runs once per (shape, rows, bias), outside graph capture (the runner's warm-up
-        steps come first).
+        ``False``. With ``act="silu_mul"`` the GEMV with the SiLU·mul epilogue is timed against
+        the unfused pair (cuBLAS or the plain GEMV, then :func:`silu_mul`). Runs once per (shape,
+        rows, bias, act), outside graph capture (the runner's warm-up steps come first).
         """
         from triton.runtime.errors import OutOfResources
 
         mats = [w for w in self._matrices() if w.shape == weight.shape and w.dtype == weight.dtype][:32] or [weight]
         x = torch.randn_like(x)  # warm-up inputs may be all zeros (padding rows)
+        post = silu_mul if act else (lambda y: y)
 
         def cublas(i: int) -> None:
-            torch.nn.functional.linear(x, mats[i % len(mats)], bias)
+            post(torch.nn.functional.linear(x, mats[i % len(mats)], bias))
 
         launches = max(16, len(mats))
         base = _graph_time(cublas, launches)
-        best, best_t = False, 0.97 * base
-        for tiling in GEMV_CANDIDATES:
+        options = [(fused, t) for fused in ((False, True) if act else (False,)) for t in GEMV_CANDIDATES]
+        times = {}
+        for fused, tiling in options:
 
-            def run(i: int, tiling=tiling) -> None:
-                gemv(x, mats[i % len(mats)], bias, sm_count=self.sm_count, **tiling)
+            def run(i: int, fused=fused, tiling=tiling) -> None:
+                w = mats[i % len(mats)]
+                if fused:
+                    gemv(x, w, bias, act=act, sm_count=self.sm_count, **tiling)
+                else:
+                    post(gemv(x, w, bias, sm_count=self.sm_count, **tiling))
 
             try:
-                t = _graph_time(run, launches)
+                times[fused, tuple(tiling.items())] = _graph_time(run, launches)
             except OutOfResources:  # a tiling this device cannot hold
                 continue
-            if t < best_t:
-                best, best_t = ("gemv", tiling), t
+        unfused = min([base] + [t for (fused, _), t in times.items() if not fused])
+        best, best_t = False, 0.97 * (unfused if act else base)
+        for (fused, tiling), t in times.items():
+            if fused == (act is not None) and t < best_t:
+                best, best_t = ("gemv", dict(tiling)), t
         return best
 
     def _matrices(self) -> list[torch.Tensor]:

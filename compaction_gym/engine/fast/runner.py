@@ -168,14 +168,20 @@ class FastModelRunner:
         c, dec = self.cache, self.decoder
         ids, pos, slots, rows, lens = (self._inputs[i, :batch] for i in range(5))
         splits = num_splits_for(batch, c.n_kv_heads, c.capacity, self.sm_count)
+        fused = dec.fuse_attention if dec.fuse_attention is not None else splits == 1
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            return decode_attention(q, c.k[:, i], c.v[:, i], c.beta[:, i], slots, lens, dec.scale, splits)
+            kv = c.k[:, i], c.v[:, i], c.beta[:, i]
+            return decode_attention(q, *kv, slots, lens, dec.scale, splits, fused_merge=fused)
 
-        def record(i: int, q: torch.Tensor) -> None:
-            self._q_rec[i, :batch].copy_(q)
+        if self._q_rec.dtype == dec.dtype:  # the RoPE kernel writes the queries into the recording buffer
+            logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, q_out=self._q_rec[:, :batch])
+        else:
 
-        logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, record=record)
+            def record(i: int, q: torch.Tensor) -> None:
+                self._q_rec[i, :batch].copy_(q)
+
+            logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, record=record)
         if kind == "logits":
             return _Graph(None, logits)
         tokens, logprobs = sample_device(logits, self.sampling, greedy_only=kind == "greedy", filtered=kind == "filtered")
