@@ -298,7 +298,10 @@ class DemosScriptArguments:
     ratio: float = field(default=0.25, metadata={"help": "kept fraction of a compacted span"})
     batch: int = field(default=8, metadata={"help": "episodes recorded concurrently"})
     group_size: int = field(default=1, metadata={"help": "episodes merged into one tree (shared prefix)"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (per worker)"})
+    workers: int = field(
+        default=1, metadata={"help": "processes recording shards in parallel (same episodes for any count)"}
+    )
     device: str | None = field(default=None, metadata={"help": "engine device (default: cuda if available)"})
     time_limit_s: float | None = field(
         default=None,
@@ -330,8 +333,8 @@ def parse_script_arguments(args: argparse.Namespace) -> DemosScriptArguments:
         raise InvalidArgumentError(f"unknown tasks {bad}; valid: {list(BABYAI_TASK_IDS)}")
     if not script.model:
         raise InvalidArgumentError("--model is required (a flag or the config key 'model')")
-    if script.episodes_per_task < 1 or script.batch < 1 or script.group_size < 1:
-        raise InvalidArgumentError("--episodes-per-task, --batch and --group-size must be >= 1")
+    if min(script.episodes_per_task, script.batch, script.group_size, script.workers) < 1:
+        raise InvalidArgumentError("--episodes-per-task, --batch, --group-size and --workers must be >= 1")
     if script.seed < script.eval_seed_limit:
         raise InvalidArgumentError(
             f"--seed {script.seed} overlaps the evaluation seeds [0, {script.eval_seed_limit}); "
@@ -363,23 +366,134 @@ def task_seeds(script: DemosScriptArguments) -> dict[str, list[int]]:
     return {task: [script.seed + k * n + i for i in range(n)] for k, task in enumerate(script.tasks)}
 
 
+class DemoRecorder:
+    """One process's engine, teacher-forced agents and expert envs (one set per task)."""
+
+    def __init__(self, script: DemosScriptArguments, model: str) -> None:
+        from compaction_gym.agents import CompactionAgent
+        from compaction_gym.engine.config import CompactionConfig, SamplingParams
+        from compaction_gym.servers.backend import LocalBackend
+
+        self.script = script
+        self.backend = LocalBackend.from_pretrained(model, max_slots=script.batch, device=script.device)
+        self.compaction = CompactionConfig(
+            mode=script.mode,
+            max_kv_len=script.max_kv_len,
+            compact_window=script.compact_window,
+            compact_target_ratio=script.ratio,
+        )
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=0)
+        self.agents = [
+            CompactionAgent(self.backend, compaction=self.compaction, sampling=sampling, prompt=script.prompt)
+            for _ in range(script.batch)
+        ]
+        self._envs: dict[str, list[gym.Env]] = {}
+
+    def play(self, task: str, seeds: Sequence[int], on_episode: Any = None) -> list[Any]:
+        """Record the episodes of ``seeds`` (in seed order), ``batch`` at a time."""
+        from compaction_gym.agents import run_episodes
+
+        if task not in self._envs:
+            self._envs[task] = [
+                ExpertDemoWrapper(
+                    gym.make("AttnMatch-BabyAI-v0", task=task, action_parsing="tag"),
+                    noise=self.script.noise,
+                    noise_seed=self.script.noise_seed,
+                )
+                for _ in self.agents
+            ]
+        envs = self._envs[task]
+        return run_episodes(
+            envs, self.agents[: len(envs)], list(seeds), teacher=expert_teacher, on_episode=on_episode
+        )
+
+    def close(self) -> None:
+        for envs in self._envs.values():
+            for env in envs:
+                env.close()
+        for agent in self.agents:
+            agent.close()
+
+
+_WORKER_RECORDER: DemoRecorder | None = None
+
+
+def _worker_init(script: DemosScriptArguments, model: str) -> None:
+    import torch
+
+    global _WORKER_RECORDER
+    torch.set_num_threads(script.threads or 1)
+    _WORKER_RECORDER = DemoRecorder(script, model)
+
+
+def _worker_play(shard: tuple[str, list[int]], deadline: float | None) -> list[dict[str, Any]]:
+    # plain dicts: trajectories may hold tensors, which multiprocessing would share through file
+    # descriptors (thousands of episodes exhaust the descriptor limit)
+    if deadline is not None and time.time() > deadline:
+        return []
+    assert _WORKER_RECORDER is not None
+    return [t.to_dict() for t in _WORKER_RECORDER.play(*shard)]
+
+
+def record_demos(script: DemosScriptArguments, model: str) -> dict[str, list[Any]]:
+    """Every task's trajectories, in seed order; ``script.workers`` processes share the shards.
+
+    Shards are ``4 * batch`` consecutive seeds of one task; with ``time_limit_s`` no shard starts
+    after the deadline (the manifest records the seeds actually played). Episodes are deterministic
+    per seed, so the token streams do not depend on ``workers``.
+    """
+    from tqdm.auto import tqdm
+
+    seeds = task_seeds(script)
+    size = 4 * script.batch
+    shards = [(task, s[i : i + size]) for task, s in seeds.items() for i in range(0, len(s), size)]
+    deadline = None if script.time_limit_s is None else time.time() + script.time_limit_s
+    played: dict[str, list[Any]] = {task: [] for task in seeds}
+    bar = tqdm(total=sum(len(s) for s in seeds.values()), desc="demos", unit="ep", file=sys.stderr)
+    if script.workers <= 1:
+        recorder = DemoRecorder(script, model)
+        try:
+            for task, shard in shards:
+                if deadline is not None and time.time() > deadline:
+                    break
+                played[task] += recorder.play(task, shard, on_episode=lambda _i, _t: bar.update(1))
+        finally:
+            recorder.close()
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        from compaction_gym.agents import Trajectory
+
+        with ProcessPoolExecutor(
+            script.workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(script, model),
+        ) as pool:
+            futures = [pool.submit(_worker_play, shard, deadline) for shard in shards]
+            for (task, _), future in zip(shards, futures):
+                trajs = [Trajectory.from_dict(d) for d in future.result()]
+                played[task] += trajs
+                bar.update(len(trajs))
+    bar.close()
+    return {task: trajs for task, trajs in played.items() if trajs}
+
+
 def main(script: DemosScriptArguments) -> dict[str, Any]:
     """Build the base model if asked, record the demos, write trajectories, trees and the manifest."""
     import torch
-    from tqdm.auto import tqdm
 
-    from compaction_gym.agents import CompactionAgent, run_episodes, write_jsonl
+    from compaction_gym.agents import write_jsonl
     from compaction_gym.agents.evaluate import _git, _versions
     from compaction_gym.agents.models import resolve_model
-    from compaction_gym.engine.config import CompactionConfig, SamplingParams
-    from compaction_gym.servers.backend import LocalBackend
+    from compaction_gym.engine.config import CompactionConfig
     from compaction_gym.trainers.tree.builders import tree_from_sequences
 
     if script.threads:
         torch.set_num_threads(script.threads)
     out = Path(script.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seeds = task_seeds(script)
     if script.init and not (Path(script.model) / "config.json").exists():
         from compaction_gym.models.build import BaseModelConfig, build_base_model
 
@@ -389,54 +503,14 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
         build_base_model(script.model, corpus, BaseModelConfig(**script.init))
         print(f"built base model at {script.model}", file=sys.stderr)
     resolved = resolve_model(script.model)
-    backend = LocalBackend.from_pretrained(resolved, max_slots=script.batch, device=script.device)
-    compaction = CompactionConfig(
-        mode=script.mode,
-        max_kv_len=script.max_kv_len,
-        compact_window=script.compact_window,
-        compact_target_ratio=script.ratio,
-    )
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=0)
-    workers = min(script.batch, script.episodes_per_task)
-    agents = [
-        CompactionAgent(backend, compaction=compaction, sampling=sampling, prompt=script.prompt)
-        for _ in range(workers)
-    ]
+    t0 = time.perf_counter()
+    by_task = record_demos(script, resolved)
     traj_path, trees_path = out / "trajectories.jsonl", out / "trees.jsonl"
     traj_path.write_text("")
     stats: dict[str, dict[str, Any]] = {}
     kept: list[Any] = []
-    t0 = time.perf_counter()
-    bar = tqdm(total=sum(len(s) for s in seeds.values()), desc="demos", unit="ep", file=sys.stderr)
-    played: dict[str, list[int]] = {}
-    chunk = workers * 4  # the time limit is checked between chunks of episodes
-    for task, task_seed_list in seeds.items():
-        envs = [
-            ExpertDemoWrapper(
-                gym.make("AttnMatch-BabyAI-v0", task=task, action_parsing="tag"),
-                noise=script.noise,
-                noise_seed=script.noise_seed,
-            )
-            for _ in agents
-        ]
-        trajs = []
-        for i in range(0, len(task_seed_list), chunk):
-            if script.time_limit_s is not None and time.perf_counter() - t0 > script.time_limit_s:
-                break
-            part = run_episodes(
-                envs,
-                agents,
-                task_seed_list[i : i + chunk],
-                teacher=expert_teacher,
-                on_episode=lambda _i, _t: bar.update(1),
-            )
-            write_jsonl(traj_path, part, append=True)
-            trajs += part
-        for env in envs:
-            env.close()
-        if not trajs:
-            continue
-        played[task] = [t.seed for t in trajs]
+    for task, trajs in by_task.items():
+        write_jsonl(traj_path, trajs, append=True)
         ok = [t for t in trajs if t.success]
         kept += trajs if script.keep_failed else ok
         stats[task] = {
@@ -449,9 +523,6 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
             "compaction_events_mean": float(np.mean([len(t.events) for t in trajs])),
             "peak_kv_max": int(max(t.peak_kv_len for t in trajs)),
         }
-    bar.close()
-    for agent in agents:
-        agent.close()
 
     n_trees = 0
     with trees_path.open("w") as fh:
@@ -459,11 +530,17 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
             tree = tree_from_sequences([demo_sequence(t) for t in kept[i : i + script.group_size]])
             fh.write(json.dumps(tree.to_dict()) + "\n")
             n_trees += 1
+    compaction = CompactionConfig(
+        mode=script.mode,
+        max_kv_len=script.max_kv_len,
+        compact_window=script.compact_window,
+        compact_target_ratio=script.ratio,
+    )
     manifest = {
         "schema": DEMOS_SCHEMA,
         "args": dataclasses.asdict(script),
         "model": {"spec": script.model, "resolved": resolved},
-        "seeds": {task: [s[0], s[-1], len(s)] for task, s in played.items()},
+        "seeds": {task: [t[0].seed, t[-1].seed, len(t)] for task, t in by_task.items()},
         "eval_seed_limit": script.eval_seed_limit,
         "tasks": stats,
         "episodes_kept": len(kept),

@@ -135,3 +135,21 @@ def test_demos_command_writes_trajectories_trees_and_manifest(tiny_model_path, t
     assert len(rows) == manifest["trees"] == 2
     tree = Tree.from_dict(rows[0])
     assert tree.num_leaves == 1 and sum(sum(n.loss_mask) for n in tree.nodes) > 0
+
+
+def test_workers_record_the_same_trees_as_one_process(tiny_model_path, tmp_path):
+    from compaction_gym.cli import main
+
+    rows = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        rc = main(
+            ["train", "demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "goto",
+             "pickup", "--episodes-per-task", "2", "--batch", "1", "--noise", "0.2",
+             "--threads", "1", "--device", "cpu", "--workers", str(workers)]
+        )  # fmt: skip
+        assert rc == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["seeds"] == {"goto": [100000, 100001, 2], "pickup": [100002, 100003, 2]}
+        rows[workers] = (out / "trees.jsonl").read_text()
+    assert rows[1] == rows[2] and rows[1].count("\n") == 4
