@@ -1,7 +1,9 @@
 """Assets of the babyai-tiny model card: the loss curve plot, the training log and evaluation tables.
 
-    python benchmarks/recipes/babyai_tiny_card.py --trainer-state trainer_state.json \\
-        --eval runs/babyai-tiny/eval/full --eval runs/babyai-tiny/eval/markovian ... \\
+    python benchmarks/recipes/babyai_tiny_card.py --install runs/babyai-tiny/sft2 \\
+        --demos runs/babyai-tiny/demos --demos runs/babyai-tiny/demos2 \\
+        --trainer-state runs/babyai-tiny/sft/trainer_state.json --trainer-state runs/babyai-tiny/sft2/trainer_state.json \\
+        --eval runs/babyai-tiny/eval/full --eval runs/babyai-tiny/eval/mem_markovian ... \\
         --out compaction_gym/models/babyai-tiny
 
 Writes ``OUT/loss_curve.png``, ``OUT/training_log.jsonl`` (the trainer's log history) and prints
@@ -15,9 +17,14 @@ import json
 from pathlib import Path
 
 
-def write_training_log(state: dict, out: Path) -> list[dict]:
-    """The trainer's ``log_history`` as JSON lines; returns the per-step entries with a loss."""
-    history = state.get("log_history", [])
+def write_training_log(states: list[dict], out: Path) -> list[dict]:
+    """The trainers' ``log_history`` (one per stage, steps continued across stages, each entry tagged
+    with its ``stage``) as JSON lines; returns the entries with a loss."""
+    history, offset = [], 0
+    for stage, state in enumerate(states, 1):
+        for entry in state.get("log_history", []):
+            history.append({**entry, "stage": stage, "step": entry.get("step", 0) + offset})
+        offset += state.get("global_step", 0)
     with (out / "training_log.jsonl").open("w") as fh:
         for entry in history:
             fh.write(json.dumps(entry) + "\n")
@@ -25,7 +32,7 @@ def write_training_log(state: dict, out: Path) -> list[dict]:
 
 
 def plot_loss(steps: list[dict], out: Path) -> None:
-    """Training loss and token accuracy against the optimizer step."""
+    """Training loss and token accuracy against the optimizer step (stage boundaries dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,6 +44,10 @@ def plot_loss(steps: list[dict], out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token mean over targets)", color="tab:blue")
+    for a, b in zip(steps, steps[1:]):
+        if a["stage"] != b["stage"]:
+            ax.axvline(b["step"], color="grey", linestyle="--", linewidth=0.8)
+            ax.text(b["step"], ax.get_ylim()[1], f" stage {b['stage']}", va="top", fontsize=8, color="grey")
     acc = [float(e["mean_token_accuracy"]) for e in steps if "mean_token_accuracy" in e]
     if len(acc) == len(x):
         ax2 = ax.twinx()
@@ -78,7 +89,50 @@ MODEL_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
 )
-RECIPES = ("benchmarks/recipes/babyai_tiny_demos.toml", "benchmarks/recipes/babyai_tiny.toml")
+
+
+def merge_evals(dirs: list[Path], out: Path) -> dict:
+    """One evaluation from runs of the same model and config over different tasks (run in parallel
+    processes): trajectories concatenated, statistics recomputed, the first summary's config kept.
+
+    A task found in several runs is taken from the run with the most episodes of it; a run stopped
+    before writing ``summary.json`` contributes its trajectories (its tasks' wall times are unknown).
+    """
+    from compaction_gym.agents import read_jsonl, write_jsonl
+    from compaction_gym.agents.evaluate import summarize
+
+    summaries = {
+        d: json.loads((d / "summary.json").read_text()) for d in dirs if (d / "summary.json").exists()
+    }
+    if not summaries:
+        raise SystemExit("merge_evals: no run has a summary.json")
+    configs = {json.dumps(s["config"], sort_keys=True) for s in summaries.values()}
+    if len(configs) != 1 or len({s["model"]["resolved"] for s in summaries.values()}) != 1:
+        raise SystemExit("merge_evals: the runs differ in model or config")
+    by_task: dict[str, list] = {}
+    wall: dict[str, float] = {}
+    for d in dirs:
+        runs: dict[str, list] = {}
+        for traj in read_jsonl(d / "trajectories.jsonl"):
+            runs.setdefault(traj.info.get("eval_task") or traj.info["task"], []).append(traj)
+        for task, trajs in runs.items():
+            if len(trajs) > len(by_task.get(task, [])):
+                by_task[task] = sorted(trajs, key=lambda t: t.info["eval_episode"])
+                wall[task] = summaries[d]["tasks"][task]["wall_time_s"] if d in summaries else 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "trajectories.jsonl", [t for trajs in by_task.values() for t in trajs])
+    first = next(iter(summaries.values()))
+    merged = {**first, **summarize(by_task, wall), "merged_from": [str(d) for d in dirs]}
+    merged["tasks_requested"] = list(by_task)
+    (out / "summary.json").write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
+
+
+#: (demos config, SFT config) of each training stage
+RECIPES = (
+    ("benchmarks/recipes/babyai_tiny_demos.toml", "benchmarks/recipes/babyai_tiny.toml"),
+    ("benchmarks/recipes/babyai_tiny_stage2_demos.toml", "benchmarks/recipes/babyai_tiny_stage2.toml"),
+)
 
 
 def _sha256(path: Path) -> str:
@@ -87,29 +141,36 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def install(sft_dir: Path, demos_dir: Path, out: Path) -> dict:
+def install(sft_dir: Path, demos: list[Path], out: Path) -> dict:
     """Copy the trained model's files into ``out`` and write ``compaction_gym.json`` (agent defaults
-    and the provenance: recipe hashes, data hash, seeds, steps)."""
+    and the provenance of every stage: recipe hashes, data hash, seeds, episodes).
+
+    ``demos`` holds each stage's demos manifest (``manifest.json`` or a directory holding one)."""
     import shutil
 
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
         shutil.copy2(sft_dir / name, out / name)
-    manifest = json.loads((demos_dir / "manifest.json").read_text())
+    stages = []
+    for (demos_config, sft_config), path in zip(RECIPES, demos):
+        manifest = json.loads((path / "manifest.json" if path.is_dir() else path).read_text())
+        stages.append(
+            {
+                "demos_config": demos_config,
+                "demos_config_sha256": _sha256(Path(demos_config)),
+                "sft_config": sft_config,
+                "sft_config_sha256": _sha256(Path(sft_config)),
+                "trees_sha256": manifest["trees_sha256"],
+                "train_seeds": manifest["seeds"],
+                "episodes": manifest["episodes_kept"],
+            }
+        )
     meta = {
         "prompt": "reasoning",
         "max_new_tokens": 64,
         "env": "AttnMatch-BabyAI-v0",
-        "recipe": {
-            "demos_config": RECIPES[0],
-            "demos_config_sha256": _sha256(Path(RECIPES[0])),
-            "sft_config": RECIPES[1],
-            "sft_config_sha256": _sha256(Path(RECIPES[1])),
-            "trees_sha256": manifest["trees_sha256"],
-        },
-        "train_seeds": manifest["seeds"],
-        "eval_seeds": f"< {manifest['eval_seed_limit']}",
-        "episodes": manifest["episodes_kept"],
+        "recipe": stages,
+        "eval_seeds": "< 10000",
         "model_sha256": _sha256(out / "model.safetensors"),
     }
     (out / "compaction_gym.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -118,16 +179,27 @@ def install(sft_dir: Path, demos_dir: Path, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trainer-state", type=Path, help="trainer_state.json of the SFT run")
+    parser.add_argument(
+        "--trainer-state", type=Path, action="append", default=[], help="trainer_state.json of each SFT stage"
+    )
     parser.add_argument("--eval", type=Path, action="append", default=[], help="eval output directory")
+    parser.add_argument(
+        "--merge", type=Path, action="append", default=[], help="eval dirs to merge into --merged"
+    )
+    parser.add_argument("--merged", type=Path, help="where --merge writes the merged evaluation")
     parser.add_argument("--out", type=Path, default=Path("compaction_gym/models/babyai-tiny"))
     parser.add_argument("--install", type=Path, help="SFT output dir whose model files are copied into --out")
-    parser.add_argument("--demos", type=Path, default=Path("runs/babyai-tiny/demos"), help="demos output dir")
+    parser.add_argument(
+        "--demos", type=Path, action="append", default=[], help="each stage's demos dir or manifest.json"
+    )
     args = parser.parse_args()
+    if args.merge:
+        merged = merge_evals(args.merge, args.merged)
+        print(f"merged {len(args.merge)} runs: {merged['overall']['episodes']} episodes -> {args.merged}")
     if args.install:
         print(json.dumps(install(args.install, args.demos, args.out), indent=1))
     if args.trainer_state:
-        steps = write_training_log(json.loads(args.trainer_state.read_text()), args.out)
+        steps = write_training_log([json.loads(p.read_text()) for p in args.trainer_state], args.out)
         plot_loss(steps, args.out)
         print(f"{len(steps)} logged steps; final loss {steps[-1]['loss']}")
     if args.eval:
