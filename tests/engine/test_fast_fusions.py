@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _interpreting, silu_mul, silu_mul_ref
+from compaction_gym.engine.fast.kernels import _COUNTERS, HAS_TRITON, _interpreting, silu_mul, silu_mul_ref
 
 if not HAS_TRITON:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -68,7 +68,7 @@ def test_single_launch_decode_attention(batch, group, dtype):
             assert fused[1].abs().max() == 0  # the zero-length row
         again = A.decode_attention(q, kc, vc, beta, slots, lens, 0.2, fused_merge=True, **kw)
         assert torch.equal(fused, again)  # deterministic: splits merged in a fixed order
-    for cnt in A._COUNTERS.values():
+    for cnt in _COUNTERS.values():
         assert int(cnt.abs().sum()) == 0  # every launch left its counters at zero
 
 
@@ -79,7 +79,7 @@ def test_single_split_needs_no_workspace(monkeypatch):
     for name in ("_split_kernel", "_merge_kernel"):
         kernel = getattr(A, name)
         monkeypatch.setattr(A, name, _Spy(kernel, name, launches))
-    monkeypatch.setattr(A, "_split_counters", lambda *a: pytest.fail("counters asked for"))
+    monkeypatch.setattr(A, "launch_counters", lambda *a: pytest.fail("counters asked for"))
     out = A.decode_attention(q, kc, vc, beta, slots, lens, 0.2, num_splits=1, block_n=16)
     assert launches == ["_split_kernel"]
     assert rel(out, A.decode_attention_ref(q, kc, vc, beta, slots, lens, 0.2)) < 1e-5

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton, pdl_enabled, pdl_launch
+from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton, launch_counters, pdl_kwargs
 
 if HAS_TRITON:
     import triton
@@ -227,28 +227,6 @@ def num_splits_for(batch: int, n_kv_heads: int, capacity: int, sm_count: int = 1
     return int(min(64, tiles, 1 << (want - 1).bit_length()))
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 counters, one per (row, KV head), shared by the fused launches of one size.
-
-    Launches on one stream run one after another and each leaves its counters at zero, so every
-    layer (and every captured graph) of a size can share them. Created on first use outside graph
-    capture (the runner's warm-up steps run first); ``None`` if first asked for during a capture.
-    """
-    key = (device, n)
-    if key not in _COUNTERS:
-        if _capturing(device):
-            return None
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -286,7 +264,7 @@ def decode_attention(
     out = torch.empty_like(q)
     cnt = None
     if fused_merge and num_splits > 1:
-        cnt = _split_counters(q.device, batch * n_kv)
+        cnt = launch_counters(q.device, batch * n_kv)
     fused = fused_merge and (num_splits == 1 or cnt is not None)
     if fused and num_splits == 1:  # no partials at all
         o_part, lse_part, cnt = out, out, out
@@ -302,15 +280,16 @@ def decode_attention(
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=d,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, FUSED=fused, PDL=pdl_enabled(q),
-        BLOCK_G=block_g, BLOCK_S=block_s, CHUNK=min(block_s, max(1, 32 // block_g)), num_warps=4, num_stages=2, **pdl_launch(q),
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, FUSED=fused,
+        BLOCK_G=block_g, BLOCK_S=block_s, CHUNK=min(block_s, max(1, 32 // block_g)), num_warps=4, num_stages=2,
+        **pdl_kwargs(q),
     )  # fmt: skip
     if not fused:
         _merge_kernel[(batch, n_q)](
             o_part, lse_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, PDL=pdl_enabled(q),
-            num_warps=1, **pdl_launch(q),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d,
+            num_warps=1, **pdl_kwargs(q),
         )  # fmt: skip
     return out
 

@@ -36,8 +36,8 @@ import torch
 from compaction_gym.engine.fast.kernels import (
     HAS_TRITON,
     _use_triton,
-    pdl_enabled,
-    pdl_launch,
+    launch_counters,
+    pdl_kwargs,
     rms_norm_ref,
     silu_mul_ref,
 )
@@ -165,23 +165,19 @@ if HAS_TRITON:
                 tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch (graph replay)
 
 
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, n: int, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 partials ``[split, 16, n]`` and zeroed tile counters, shared by launches of one shape.
-
-    Launches on one stream run one after another, and each leaves its counters at zero, so
-    every layer of a shape can share them. Created on first use (outside graph capture: the
-    runner's warm-up steps run first).
-    """
-    key = (device, n, split, n_tiles)
+    """Float32 partials ``[split, 16, n]`` (shared by launches of one shape) and zeroed tile counters
+    (:func:`~compaction_gym.engine.fast.kernels.launch_counters`). Created on first use, outside
+    graph capture: the runner's warm-up steps run first."""
+    key = (device, n, split)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (
-            torch.empty(split, GEMV_MAX_M, n, dtype=torch.float32, device=device),
-            torch.zeros(n_tiles, dtype=torch.int32, device=device),
-        )
-    return _WORKSPACES[key]
+        _WORKSPACES[key] = torch.empty(split, GEMV_MAX_M, n, dtype=torch.float32, device=device)
+    cnt = launch_counters(device, n_tiles)
+    assert cnt is not None, "the split-K GEMV's counters must exist before graph capture"
+    return _WORKSPACES[key], cnt
 
 
 def gemv_ref(
@@ -271,8 +267,7 @@ def gemv(
         m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm_weight is not None, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, SILU=silu,
         HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=GEMV_MAX_M, BLOCK_N=bn,
-        BLOCK_K=bk, PDL=pdl_enabled(x),
-        num_warps=4, num_stages=max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
-        **pdl_launch(x),
+        BLOCK_K=bk, num_warps=4, num_stages=max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
+        **pdl_kwargs(x),
     )  # fmt: skip
     return y

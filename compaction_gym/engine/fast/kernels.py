@@ -211,9 +211,9 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     return _pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(x: torch.Tensor) -> dict:
-    """Launch options of a Triton kernel on ``x``'s device: ``launch_pdl`` where :func:`pdl_enabled`."""
-    return {"launch_pdl": True} if pdl_enabled(x) else {}
+def pdl_kwargs(x: torch.Tensor) -> dict:
+    """A decode kernel's ``PDL`` constexpr and launch option for ``x``'s device (:func:`pdl_enabled`)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(x) else {"PDL": False}
 
 
 @functools.cache
@@ -222,6 +222,25 @@ def _pdl_supported(device: int) -> bool:
         return False
     major, minor = (int(p) for p in triton.__version__.split(".")[:2])
     return (major, minor) >= (3, 4) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def launch_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """``n`` zeroed int32 counters for kernels whose last program to finish reduces (split-K GEMV,
+    single-launch attention), shared by every launch that needs ``n`` of them.
+
+    Launches on one stream run one after another and each leaves its counters at zero, so every
+    layer and every captured graph can share them. Created on first use outside graph capture (the
+    runner's warm-up steps run first); ``None`` if first asked for during a capture.
+    """
+    key = (device, n)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -241,8 +260,8 @@ def rms_norm(
     r = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](
         x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl_enabled(x),
-        num_warps=4 if n <= 4096 else 8, **pdl_launch(x),
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n),
+        num_warps=4 if n <= 4096 else 8, **pdl_kwargs(x),
     )  # fmt: skip
     return y
 
@@ -256,7 +275,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty(n_rows, n)
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n, block))](
-        gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block, PDL=pdl_enabled(gate_up), **pdl_launch(gate_up)
+        gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block, **pdl_kwargs(gate_up)
     )  # fmt: skip
     return y
 
@@ -307,7 +326,7 @@ def qkv_rope_store(
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         slots, rows, eps,
-        N_Q=n_q, N_KV=n_kv, D=d, HAS_NORM=q_norm is not None, PDL=pdl_enabled(qkv),
-        num_warps=1 if d <= 128 else 2, **pdl_launch(qkv),
+        N_Q=n_q, N_KV=n_kv, D=d, HAS_NORM=q_norm is not None,
+        num_warps=1 if d <= 128 else 2, **pdl_kwargs(qkv),
     )  # fmt: skip
     return q
