@@ -32,42 +32,42 @@ fi
 cg() { $py -m compaction_gym.cli "$@"; }
 stamp "$($py -c "import torch, transformers, trl, datasets, gymnasium, minigrid; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '', 'transformers', transformers.__version__, 'trl', trl.__version__)" 2>&1 | tail -1)"
 
-if [ "$PHASE" = demos ]; then
-  cg train demos --config benchmarks/recipes/babyai_tiny_demos.toml --workers "$WORKERS" --threads 1 \
-    --device cpu --model "$R/base" --output-dir "$R/demos" ${DEMO_EXTRA:-} > "$O/demos.log" 2>&1
-  stamp "demos exit $?: $(tail -1 "$O/demos.log")"
-  cp "$R/demos/manifest.json" "$O/demos_manifest.json"
-  gzip -c "$R/demos/trees.jsonl" > "$O/trees.jsonl.gz"
-  tail -c 2000 "$O/demos.log" > "$O/demos_tail.log"; rm -f "$O/demos.log"
-  exit 0
-fi
+# record demos: CONFIG MODEL NAME -> $R/NAME, its manifest in $O
+record() {
+  cg train demos --config "$1" --workers "$WORKERS" --threads 1 --device cpu --model "$2" \
+    --output-dir "$R/$3" ${DEMO_EXTRA:-} > "$O/$3.log" 2>&1
+  stamp "$3 exit $?: $(tail -1 "$O/$3.log")"
+  cp "$R/$3/manifest.json" "$O/$3_manifest.json"
+  tail -c 2000 "$O/$3.log" > "$O/$3_tail.log"; rm -f "$O/$3.log"
+}
+# tree SFT: CONFIG MODEL DEMOS NAME -> $R/NAME (checkpoints: a timeout still leaves the last one);
+# sets M to the model directory and ships its weights (15 MB parts), trainer state and log tail to $O
+train() {
+  timeout "$SFT_T" $py -m compaction_gym.cli train sft --config "$1" --model "$2" \
+    --dataset "$R/$3/trees.jsonl" --output-dir "$R/$4" $EXTRA > "/tmp/$4.log" 2>&1
+  stamp "$4 exit $?"
+  local last
+  last=$(ls -d "$R/$4"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+  M=$R/$4
+  [ -f "$M/model.safetensors" ] || M=$last
+  stamp "model dir: $M"
+  (cd "$M" && split -b 15M model.safetensors "$O/$4.safetensors.part-" && sha256sum model.safetensors | tee -a "$O/run.log")
+  cp "$last/trainer_state.json" "$O/$4_trainer_state.json"; tail -c 3000 "/tmp/$4.log" > "$O/$4_tail.log"
+}
 
-if [ "$PHASE" = stage2 ]; then  # steps 3-4: more demos of the hard tasks, one more SFT epoch
-  cg train demos --config benchmarks/recipes/babyai_tiny_stage2_demos.toml --workers "$WORKERS" --threads 1 \
-    --device cpu --model "$R/sft" --output-dir "$R/demos2" ${DEMO_EXTRA:-} > "$O/demos2.log" 2>&1
-  stamp "demos2 exit $?: $(tail -1 "$O/demos2.log")"
-  cp "$R/demos2/manifest.json" "$O/demos2_manifest.json"; rm -f "$O/demos2.log"
-  timeout "$SFT_T" $py -m compaction_gym.cli train sft --config benchmarks/recipes/babyai_tiny_stage2.toml \
-    --model "$R/sft" --dataset "$R/demos2/trees.jsonl" --output-dir "$R/sft2" $EXTRA > /tmp/sft2.log 2>&1
-  stamp "sft2 exit $?"
-  M=$R/sft2
-  [ -f "$M/model.safetensors" ] || M=$(ls -d "$R"/sft2/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-  (cd "$M" && split -b 15M model.safetensors "$O/model2.safetensors.part-" && sha256sum model.safetensors | tee -a "$O/run.log")
-  S=$(ls -d "$R"/sft2/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-  cp "$S/trainer_state.json" "$O/trainer_state2.json"; tail -c 3000 /tmp/sft2.log > "$O/sft2_tail.log"
-  exit 0
-fi
-
-# step 2: tree SFT on the GPU (checkpoints every 250 steps: a timeout still leaves the last one)
-timeout "$SFT_T" $py -m compaction_gym.cli train sft --config benchmarks/recipes/babyai_tiny.toml \
-  --model "$R/base" --dataset "$R/demos/trees.jsonl" --output-dir "$R/sft" $EXTRA > /tmp/sft.log 2>&1
-stamp "sft exit $?"
-M=$R/sft
-[ -f "$M/model.safetensors" ] || M=$(ls -d "$R"/sft/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-stamp "model dir: $M"
-(cd "$M" && split -b 15M model.safetensors "$O/model.safetensors.part-" && sha256sum model.safetensors | tee -a "$O/run.log")
-S=$(ls -d "$R"/sft/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-cp "$S/trainer_state.json" "$O/trainer_state.json"; tail -c 3000 /tmp/sft.log > "$O/sft_tail.log"
+case "$PHASE" in
+  demos)  # step 1
+    record benchmarks/recipes/babyai_tiny_demos.toml "$R/base" demos
+    gzip -c "$R/demos/trees.jsonl" > "$O/trees.jsonl.gz"
+    exit 0 ;;
+  stage2)  # steps 3-4: more demos of the hard tasks, one more SFT epoch
+    record benchmarks/recipes/babyai_tiny_stage2_demos.toml "$R/sft" demos2
+    train benchmarks/recipes/babyai_tiny_stage2.toml "$R/sft" demos2 sft2
+    exit 0 ;;
+  sft)  # step 2, then the quick evaluation below
+    train benchmarks/recipes/babyai_tiny.toml "$R/base" demos sft ;;
+  *) echo "PHASE must be demos, sft or stage2, got $PHASE" >&2; exit 2 ;;
+esac
 
 # quick held-out evaluation (seeds 0..EVAL_EPS-1, full KV, the model's own prompt format) on the GPU
 timeout 120 $py - "$M" "$EVAL_EPS" <<'PY' > /tmp/eval.log 2>&1

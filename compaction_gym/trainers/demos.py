@@ -317,6 +317,17 @@ class DemosScriptArguments:
         metadata={"help": "TOML only: build a fresh base model at --model first (BaseModelConfig fields)"},
     )
 
+    def compaction(self) -> Any:
+        """The recording sessions' :class:`~compaction_gym.engine.config.CompactionConfig`."""
+        from compaction_gym.engine.config import CompactionConfig
+
+        return CompactionConfig(
+            mode=self.mode,
+            max_kv_len=self.max_kv_len,
+            compact_window=self.compact_window,
+            compact_target_ratio=self.ratio,
+        )
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per :class:`DemosScriptArguments` field (``init`` is TOML-only) plus ``--config``."""
@@ -371,17 +382,12 @@ class DemoRecorder:
 
     def __init__(self, script: DemosScriptArguments, model: str) -> None:
         from compaction_gym.agents import CompactionAgent
-        from compaction_gym.engine.config import CompactionConfig, SamplingParams
+        from compaction_gym.engine.config import SamplingParams
         from compaction_gym.servers.backend import LocalBackend
 
         self.script = script
         self.backend = LocalBackend.from_pretrained(model, max_slots=script.batch, device=script.device)
-        self.compaction = CompactionConfig(
-            mode=script.mode,
-            max_kv_len=script.max_kv_len,
-            compact_window=script.compact_window,
-            compact_target_ratio=script.ratio,
-        )
+        self.compaction = script.compaction()
         sampling = SamplingParams(temperature=0.0, max_new_tokens=0)
         self.agents = [
             CompactionAgent(self.backend, compaction=self.compaction, sampling=sampling, prompt=script.prompt)
@@ -487,7 +493,6 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
     from compaction_gym.agents import write_jsonl
     from compaction_gym.agents.evaluate import _git, _versions
     from compaction_gym.agents.models import resolve_model
-    from compaction_gym.engine.config import CompactionConfig
     from compaction_gym.trainers.tree.builders import tree_from_sequences
 
     if script.threads:
@@ -530,12 +535,6 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
             tree = tree_from_sequences([demo_sequence(t) for t in kept[i : i + script.group_size]])
             fh.write(json.dumps(tree.to_dict()) + "\n")
             n_trees += 1
-    compaction = CompactionConfig(
-        mode=script.mode,
-        max_kv_len=script.max_kv_len,
-        compact_window=script.compact_window,
-        compact_target_ratio=script.ratio,
-    )
     manifest = {
         "schema": DEMOS_SCHEMA,
         "args": dataclasses.asdict(script),
@@ -548,7 +547,7 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
         "target_tokens": int(sum(sum(demo_sequence(t)[1]) for t in kept)),
         "total_tokens": int(sum(t.num_tokens for t in kept)),
         "trees_sha256": hashlib.sha256(trees_path.read_bytes()).hexdigest(),
-        "compaction": compaction.to_dict(),
+        "compaction": script.compaction().to_dict(),
         "wall_time_s": time.perf_counter() - t0,
         "git_revision": _git("rev-parse", "HEAD"),
         "versions": _versions(),
