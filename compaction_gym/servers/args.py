@@ -37,6 +37,13 @@ class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind"})
     port: int = field(default=8000, metadata={"help": "TCP port to bind"})
     log_level: str = field(default="info", metadata={"help": f"uvicorn log level, one of {LOG_LEVELS}"})
+    keep_alive_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "idle HTTP connections stay open this long (clients must reuse them for less: "
+            "HTTPBackend drops them after 2 s)"
+        },
+    )
     # --- batching ---
     batch_window_ms: float = field(
         default=5.0,
@@ -72,6 +79,8 @@ class ServerArgs:
             raise InvalidArgumentError(f"torch_threads must be positive, got {self.torch_threads}")
         if self.capacity is not None and self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
+        if self.keep_alive_s <= 0:
+            raise InvalidArgumentError(f"keep_alive_s must be positive, got {self.keep_alive_s}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port}")
         if self.batch_window_ms < 0:

@@ -93,7 +93,9 @@ def serve(args: ServerArgs) -> None:
     )
     app = create_app(engine, args)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=args.keep_alive_s
+    )
 
 
 def _run(ns: argparse.Namespace) -> int:

@@ -60,6 +60,10 @@ class HTTPBackend:
         backoff_s: first retry delay, doubled per retry (with jitter), capped at ``max_backoff_s``;
             a 429's ``Retry-After`` is honoured when longer.
         max_connections: size of the pooled ``httpx.Client``.
+        keepalive_expiry: seconds an idle pooled connection is kept for reuse. It must be shorter
+            than the server's keep-alive (``--keep-alive-s``, 30 s; uvicorn's own default is 5 s):
+            otherwise a request can go out on a connection the server is closing at that moment
+            and fail mid-request — which a step, not being idempotent, cannot retry.
         transport: an ``httpx`` transport to use instead of the network (tests, proxies).
 
     Raises (from every call):
@@ -82,13 +86,18 @@ class HTTPBackend:
         backoff_s: float = 0.25,
         max_backoff_s: float = 8.0,
         max_connections: int = 64,
+        keepalive_expiry: float = 2.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if max_retries < 0:
             raise InvalidArgumentError(f"max_retries must be >= 0, got {max_retries}")
         self.base_url = base_url.rstrip("/")
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+        )
         self._client = httpx.Client(
             base_url=self.base_url, timeout=timeout, limits=limits, transport=transport
         )

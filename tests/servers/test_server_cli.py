@@ -90,3 +90,23 @@ def test_serve_process_answers_and_stops(tiny_model_path, tiny_tokenizer):
             proc.kill()
             proc.wait(timeout=10)
     assert proc.returncode == 0
+
+
+def test_clients_drop_idle_connections_before_the_server_closes_them(tiny_model_path, monkeypatch):
+    """`serve` keeps idle connections ``keep_alive_s`` and HTTPBackend reuses them for less, so a
+    (non-retryable) step never goes out on a connection the server is closing."""
+    import inspect
+
+    import uvicorn
+
+    from compaction_gym.servers.cli import serve
+
+    captured = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: captured.update(kw))
+    serve(ServerArgs(model=str(tiny_model_path), device="cpu", keep_alive_s=7.5))
+    assert captured["timeout_keep_alive"] == 7.5
+    client_expiry = inspect.signature(HTTPBackend).parameters["keepalive_expiry"].default
+    assert client_expiry < ServerArgs().keep_alive_s
+    assert client_expiry < 5.0  # also under uvicorn's own default, for apps served without `serve`
+    with pytest.raises(InvalidArgumentError, match="keep_alive_s"):
+        ServerArgs(keep_alive_s=0)
