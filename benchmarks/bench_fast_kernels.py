@@ -32,6 +32,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--skip", nargs="*", default=[], choices=["gemv", "nnls", "cholesky"])
+    p.add_argument(
+        "--sweep", nargs="*", default=None, metavar="MODEL/PROJECTION",
+        help="instead: time a grid of GEMV tilings (block sizes, programs per SM, warps) on these "
+        "projections (e.g. qwen3-4b/o; none given: every projection) and print the best per shape",
+    )  # fmt: skip
     return p
 
 
@@ -89,21 +94,67 @@ def gemv_case(name: str, case: str, n: int, k: int, args) -> list[list[object]]:
     return rows
 
 
-def bench_gemv(args) -> list[list[object]]:
-    rows = []
+def projection_shapes() -> dict[str, tuple[int, int]]:
+    """``"model/projection"`` → ``(N, K)`` of every decode projection of :data:`QWEN3_SHAPES`."""
+    shapes = {}
     for name, sh in QWEN3_SHAPES.items():
         h, inter, d = sh["hidden_size"], sh["intermediate_size"], sh["head_dim"]
-        qkv_n = (sh["num_attention_heads"] + 2 * sh["num_key_value_heads"]) * d
-        cases = {
-            "qkv": (qkv_n, h),
-            "o": (h, sh["num_attention_heads"] * d),
-            "gate_up": (2 * inter, h),
-            "down": (h, inter),
-            "lm_head": (sh["vocab_size"], h),
-        }
-        for case, (n, k) in cases.items():
-            rows += gemv_case(name, case, n, k, args)
-            torch.cuda.empty_cache()
+        shapes[f"{name}/qkv"] = ((sh["num_attention_heads"] + 2 * sh["num_key_value_heads"]) * d, h)
+        shapes[f"{name}/o"] = (h, sh["num_attention_heads"] * d)
+        shapes[f"{name}/gate_up"] = (2 * inter, h)
+        shapes[f"{name}/down"] = (h, inter)
+        shapes[f"{name}/lm_head"] = (sh["vocab_size"], h)
+    return shapes
+
+
+def bench_gemv(args) -> list[list[object]]:
+    rows = []
+    for key, (n, k) in projection_shapes().items():
+        rows += gemv_case(*key.split("/"), n, k, args)
+        torch.cuda.empty_cache()
+    return rows
+
+
+#: The grid ``--sweep`` times (every combination).
+SWEEP_GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "programs_per_sm": (2, 4, 8), "num_warps": (4, 8)}
+
+
+@torch.no_grad()
+def sweep_gemv(args) -> list[list[object]]:
+    """Every :data:`SWEEP_GRID` tiling on the chosen projections; the best three per (shape, M)."""
+    import itertools
+
+    from compaction_gym.engine.fast.gemv import gemv, gemv_ref
+
+    shapes = projection_shapes()
+    names = args.sweep or list(shapes)
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise SystemExit(f"--sweep: unknown projections {unknown}; valid: {list(shapes)}")
+    grid = [dict(zip(SWEEP_GRID, v)) for v in itertools.product(*SWEEP_GRID.values())]
+    rows = []
+    for key in names:
+        n, k = shapes[key]
+        copies = max(2, min(32, (512 << 20) // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_time(lambda i, x=x, w=ws: torch.nn.functional.linear(x, w[i % len(w)]), repeats=args.repeats)
+            timed = []
+            for c in grid:
+                if rel(gemv(x, ws[0], **c), gemv_ref(x, ws[0])) > 1e-2:
+                    raise AssertionError(f"{key} M={m} {c}: GEMV disagrees with the reference")
+                t = graph_time(lambda i, x=x, c=c, w=ws: gemv(x, w[i % len(w)], **c), repeats=args.repeats)
+                timed.append((t, c))
+            default = graph_time(lambda i, x=x, w=ws: gemv(x, w[i % len(w)]), repeats=args.repeats)
+            for rank, (t, c) in enumerate(sorted(timed, key=lambda tc: tc[0])[:3]):
+                rows.append([
+                    key, m, f"{n}×{k}", rank + 1, " ".join(f"{a}={b}" for a, b in c.items()), t * 1e6,
+                    default * 1e6, cublas * 1e6, cublas / t, n * k * 2 / t / 1e9,
+                ])  # fmt: skip
+                print(rows[-1], flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -196,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_fast_kernels needs a CUDA device", file=sys.stderr)
         return 2
     tables = []
+    if args.sweep is not None:
+        headers = ["projection", "M", "N×K", "rank", "tiling", "µs", "default GEMV µs", "cuBLAS µs",
+                   "cuBLAS / this", "GB/s"]  # fmt: skip
+        tables.append((headers, sweep_gemv(args), "GEMV tilings (bf16, CUDA-graph replays)"))
+        args.skip = ["gemv", "nnls", "cholesky"]
     if "nnls" not in args.skip:
         tables.append((["solver (288 problems, t = 256)", "ms", "note"], bench_nnls(args), "β's NNLS"))
     if "cholesky" not in args.skip:

@@ -1,8 +1,10 @@
 """Assets of the babyai-tiny model card: the loss curve plot, the training log and evaluation tables.
 
-    python benchmarks/recipes/babyai_tiny_card.py --install runs/babyai-tiny/sft2 \\
+    python benchmarks/recipes/babyai_tiny_card.py --install runs/babyai-tiny/sft3 \\
         --demos runs/babyai-tiny/demos --demos runs/babyai-tiny/demos2 \\
+        --demos runs/babyai-tiny/demos3 --demos runs/babyai-tiny/demos3_replay \\
         --trainer-state runs/babyai-tiny/sft/trainer_state.json --trainer-state runs/babyai-tiny/sft2/trainer_state.json \\
+        --trainer-state runs/babyai-tiny/sft3/trainer_state.json \\
         --eval runs/babyai-tiny/eval/full --eval runs/babyai-tiny/eval/mem_markovian ... \\
         --out compaction_gym/models/babyai-tiny
 
@@ -92,11 +94,13 @@ MODEL_FILES = (
 
 
 def merge_evals(dirs: list[Path], out: Path) -> dict:
-    """One evaluation from runs of the same model and config over different tasks (run in parallel
-    processes): trajectories concatenated, statistics recomputed, the first summary's config kept.
+    """One evaluation from runs of the same model and config run in parallel processes over
+    different tasks and/or seed ranges: trajectories of each task concatenated in seed order,
+    statistics recomputed, the first summary's config kept.
 
-    A task found in several runs is taken from the run with the most episodes of it; a run stopped
-    before writing ``summary.json`` contributes its trajectories (its tasks' wall times are unknown).
+    A (task, seed) found in several runs is taken from the run with the most episodes of that task;
+    a run stopped before writing ``summary.json`` contributes its trajectories (its wall times are
+    unknown and count as 0).
     """
     from compaction_gym.agents import read_jsonl, write_jsonl
     from compaction_gym.agents.evaluate import summarize
@@ -106,32 +110,50 @@ def merge_evals(dirs: list[Path], out: Path) -> dict:
     }
     if not summaries:
         raise SystemExit("merge_evals: no run has a summary.json")
-    configs = {json.dumps(s["config"], sort_keys=True) for s in summaries.values()}
+    configs = {json.dumps({**s["config"], "episodes_per_task": None}, sort_keys=True) for s in summaries.values()}
     if len(configs) != 1 or len({s["model"]["resolved"] for s in summaries.values()}) != 1:
         raise SystemExit("merge_evals: the runs differ in model or config")
-    by_task: dict[str, list] = {}
-    wall: dict[str, float] = {}
+    runs: list[tuple[Path, dict[str, list]]] = []
     for d in dirs:
-        runs: dict[str, list] = {}
+        by_task: dict[str, list] = {}
         for traj in read_jsonl(d / "trajectories.jsonl"):
-            runs.setdefault(traj.info.get("eval_task") or traj.info["task"], []).append(traj)
-        for task, trajs in runs.items():
-            if len(trajs) > len(by_task.get(task, [])):
-                by_task[task] = sorted(trajs, key=lambda t: t.info["eval_episode"])
-                wall[task] = summaries[d]["tasks"][task]["wall_time_s"] if d in summaries else 0.0
+            by_task.setdefault(traj.info.get("eval_task") or traj.info["task"], []).append(traj)
+        runs.append((d, by_task))
+    chosen: dict[str, dict[int, tuple[int, object]]] = {}
+    wall: dict[str, float] = {}
+    for d, by_task in runs:
+        for task, trajs in by_task.items():
+            wall[task] = wall.get(task, 0.0) + (summaries[d]["tasks"][task]["wall_time_s"] if d in summaries else 0.0)
+            for traj in trajs:
+                best = chosen.setdefault(task, {}).get(traj.seed)
+                if best is None or len(trajs) > best[0]:
+                    chosen[task][traj.seed] = (len(trajs), traj)
+    from compaction_gym.envs.registration import BABYAI_TASK_IDS
+
+    order = {task: i for i, task in enumerate(BABYAI_TASK_IDS)}
+    tasks = sorted(chosen, key=lambda t: (order.get(t, len(order)), t))
+    merged_runs = {task: [chosen[task][s][1] for s in sorted(chosen[task])] for task in tasks}
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "trajectories.jsonl", [t for trajs in by_task.values() for t in trajs])
+    write_jsonl(out / "trajectories.jsonl", [t for trajs in merged_runs.values() for t in trajs])
     first = next(iter(summaries.values()))
-    merged = {**first, **summarize(by_task, wall), "merged_from": [str(d) for d in dirs]}
-    merged["tasks_requested"] = list(by_task)
+    merged = {**first, **summarize(merged_runs, wall), "merged_from": [str(d) for d in dirs]}
+    merged["tasks_requested"] = list(merged_runs)
+    merged["seeds"] = sorted({t.seed for trajs in merged_runs.values() for t in trajs})
     (out / "summary.json").write_text(json.dumps(merged, indent=2) + "\n")
     return merged
 
 
-#: (demos config, SFT config) of each training stage
+#: (demos configs, SFT config) of each training stage
 RECIPES = (
-    ("benchmarks/recipes/babyai_tiny_demos.toml", "benchmarks/recipes/babyai_tiny.toml"),
-    ("benchmarks/recipes/babyai_tiny_stage2_demos.toml", "benchmarks/recipes/babyai_tiny_stage2.toml"),
+    (("benchmarks/recipes/babyai_tiny_demos.toml",), "benchmarks/recipes/babyai_tiny.toml"),
+    (("benchmarks/recipes/babyai_tiny_stage2_demos.toml",), "benchmarks/recipes/babyai_tiny_stage2.toml"),
+    (
+        (
+            "benchmarks/recipes/babyai_tiny_stage3_demos.toml",
+            "benchmarks/recipes/babyai_tiny_stage3_replay_demos.toml",
+        ),
+        "benchmarks/recipes/babyai_tiny_stage3.toml",
+    ),
 )
 
 
@@ -145,24 +167,33 @@ def install(sft_dir: Path, demos: list[Path], out: Path) -> dict:
     """Copy the trained model's files into ``out`` and write ``compaction_gym.json`` (agent defaults
     and the provenance of every stage: recipe hashes, data hash, seeds, episodes).
 
-    ``demos`` holds each stage's demos manifest (``manifest.json`` or a directory holding one)."""
+    ``demos`` holds the demos manifests (``manifest.json`` or a directory holding one) in the order
+    of :data:`RECIPES`' demos configs; stages past the last manifest are left out."""
     import shutil
 
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
         shutil.copy2(sft_dir / name, out / name)
+    manifests = [json.loads((p / "manifest.json" if p.is_dir() else p).read_text()) for p in demos]
     stages = []
-    for (demos_config, sft_config), path in zip(RECIPES, demos):
-        manifest = json.loads((path / "manifest.json" if path.is_dir() else path).read_text())
+    for demos_configs, sft_config in RECIPES:
+        if len(manifests) < len(demos_configs):
+            break
+        used, manifests = manifests[: len(demos_configs)], manifests[len(demos_configs) :]
         stages.append(
             {
-                "demos_config": demos_config,
-                "demos_config_sha256": _sha256(Path(demos_config)),
+                "demos": [
+                    {
+                        "config": config,
+                        "config_sha256": _sha256(Path(config)),
+                        "trees_sha256": manifest["trees_sha256"],
+                        "train_seeds": manifest["seeds"],
+                        "episodes": manifest["episodes_kept"],
+                    }
+                    for config, manifest in zip(demos_configs, used)
+                ],
                 "sft_config": sft_config,
                 "sft_config_sha256": _sha256(Path(sft_config)),
-                "trees_sha256": manifest["trees_sha256"],
-                "train_seeds": manifest["seeds"],
-                "episodes": manifest["episodes_kept"],
             }
         )
     meta = {

@@ -5,7 +5,10 @@
 #   PHASE=sft    step 2 on the GPU: `train sft --config babyai_tiny.toml`, then a quick held-out
 #                evaluation; copies the weights (split in 15 MB parts), logs and manifests to OUT.
 #   PHASE=stage2 steps 3-4 (babyai_tiny_stage2*.toml): more demos of open/putnext/seq, one SFT epoch more.
-# Usage, from the repository root:  PHASE=demos|sft|stage2 bash benchmarks/recipes/babyai_tiny_gpu.sh WHEELS OUT
+#   PHASE=stage3 steps 5-7 (babyai_tiny_stage3*.toml): opening-turn demos + replayed whole episodes,
+#                two SFT epochs from the stage-2 model, then the quick evaluation.
+# Demos whose trees.jsonl (or trees.jsonl.gz) already exist under RECIPE_DIR are reused, not re-recorded.
+# Usage, from the repository root:  PHASE=demos|sft|stage2|stage3 bash benchmarks/recipes/babyai_tiny_gpu.sh WHEELS OUT
 # WHEELS holds the packages the GPU image lacks (trl, datasets, gymnasium, minigrid, pygame-ce, ...).
 set -u
 W=${1:-runs/babyai-tiny/gpu_carry/wheels}
@@ -32,27 +35,34 @@ fi
 cg() { $py -m compaction_gym.cli "$@"; }
 stamp "$($py -c "import torch, transformers, trl, datasets, gymnasium, minigrid; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '', 'transformers', transformers.__version__, 'trl', trl.__version__)" 2>&1 | tail -1)"
 
-# record demos: CONFIG MODEL NAME -> $R/NAME, its manifest in $O
+# record demos: CONFIG MODEL NAME -> $R/NAME, its manifest in $O (kept if $R/NAME has its trees)
 record() {
+  [ -f "$R/$3/trees.jsonl.gz" ] && [ ! -f "$R/$3/trees.jsonl" ] && gunzip -k "$R/$3/trees.jsonl.gz"
+  if [ -f "$R/$3/trees.jsonl" ]; then
+    stamp "$3: reusing $R/$3/trees.jsonl"; cp "$R/$3/manifest.json" "$O/$3_manifest.json"; return
+  fi
   cg train demos --config "$1" --workers "$WORKERS" --threads 1 --device cpu --model "$2" \
     --output-dir "$R/$3" ${DEMO_EXTRA:-} > "$O/$3.log" 2>&1
   stamp "$3 exit $?: $(tail -1 "$O/$3.log")"
   cp "$R/$3/manifest.json" "$O/$3_manifest.json"
   tail -c 2000 "$O/$3.log" > "$O/$3_tail.log"; rm -f "$O/$3.log"
 }
-# tree SFT: CONFIG MODEL DEMOS NAME -> $R/NAME (checkpoints: a timeout still leaves the last one);
+# tree SFT: CONFIG MODEL NAME DEMOS... -> $R/NAME (checkpoints: a timeout still leaves the last one);
 # sets M to the model directory and ships its weights (15 MB parts), trainer state and log tail to $O
 train() {
-  timeout "$SFT_T" $py -m compaction_gym.cli train sft --config "$1" --model "$2" \
-    --dataset "$R/$3/trees.jsonl" --output-dir "$R/$4" $EXTRA > "/tmp/$4.log" 2>&1
-  stamp "$4 exit $?"
+  local cfg=$1 model=$2 name=$3 d datasets=()
+  shift 3
+  for d in "$@"; do datasets+=("$R/$d/trees.jsonl"); done
+  timeout "$SFT_T" $py -m compaction_gym.cli train sft --config "$cfg" --model "$model" \
+    --dataset "${datasets[@]}" --output-dir "$R/$name" $EXTRA > "/tmp/$name.log" 2>&1
+  stamp "$name exit $?"
   local last
-  last=$(ls -d "$R/$4"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-  M=$R/$4
+  last=$(ls -d "$R/$name"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+  M=$R/$name
   [ -f "$M/model.safetensors" ] || M=$last
   stamp "model dir: $M"
-  (cd "$M" && split -b 15M model.safetensors "$O/$4.safetensors.part-" && sha256sum model.safetensors | tee -a "$O/run.log")
-  cp "$last/trainer_state.json" "$O/$4_trainer_state.json"; tail -c 3000 "/tmp/$4.log" > "$O/$4_tail.log"
+  (cd "$M" && split -b 15M model.safetensors "$O/$name.safetensors.part-" && sha256sum model.safetensors | tee -a "$O/run.log")
+  cp "$last/trainer_state.json" "$O/${name}_trainer_state.json"; tail -c 3000 "/tmp/$name.log" > "$O/${name}_tail.log"
 }
 
 case "$PHASE" in
@@ -62,14 +72,19 @@ case "$PHASE" in
     exit 0 ;;
   stage2)  # steps 3-4: more demos of the hard tasks, one more SFT epoch
     record benchmarks/recipes/babyai_tiny_stage2_demos.toml "$R/sft" demos2
-    train benchmarks/recipes/babyai_tiny_stage2.toml "$R/sft" demos2 sft2
+    train benchmarks/recipes/babyai_tiny_stage2.toml "$R/sft" sft2 demos2
     exit 0 ;;
+  stage3)  # steps 5-7: opening-turn demos and replayed episodes, two SFT epochs, the quick evaluation
+    record benchmarks/recipes/babyai_tiny_stage3_demos.toml "$R/sft2" demos3
+    record benchmarks/recipes/babyai_tiny_stage3_replay_demos.toml "$R/sft2" demos3_replay
+    train benchmarks/recipes/babyai_tiny_stage3.toml "$R/sft2" sft3 demos3 demos3_replay ;;
   sft)  # step 2, then the quick evaluation below
-    train benchmarks/recipes/babyai_tiny.toml "$R/base" demos sft ;;
-  *) echo "PHASE must be demos, sft or stage2, got $PHASE" >&2; exit 2 ;;
+    train benchmarks/recipes/babyai_tiny.toml "$R/base" sft demos ;;
+  *) echo "PHASE must be demos, sft, stage2 or stage3, got $PHASE" >&2; exit 2 ;;
 esac
 
 # quick held-out evaluation (seeds 0..EVAL_EPS-1, full KV, the model's own prompt format) on the GPU
+[ "$EVAL_EPS" -gt 0 ] || { stamp "done (no quick evaluation: EVAL_EPS=0)"; exit 0; }
 timeout 120 $py - "$M" "$EVAL_EPS" <<'PY' > /tmp/eval.log 2>&1
 import json, sys
 import torch

@@ -11,7 +11,9 @@ observation), then the action::
 
 With ``noise > 0`` (DART-style) some turns play a random movement instead of the bot's action; the
 bot replans from the new state, and those turns are masked out of the SFT targets, so the model
-learns to recover from states the bot alone never visits.
+learns to recover from states the bot alone never visits. With ``max_turns`` every episode is cut
+after that many turns and kept as a partial demonstration: many cheap examples of the opening
+decisions (which visible object the mission means), where a whole episode gives only one.
 
 Outputs in ``--output-dir``: ``trajectories.jsonl`` (every episode, :class:`Trajectory` records),
 ``trees.jsonl`` (tree rows for ``compaction-gym train sft``: successful episodes, targets on the
@@ -146,6 +148,7 @@ class ExpertDemoWrapper(gym.Wrapper):
         noise: probability that a turn plays a random action of ``noise_actions`` (not the bot's).
         noise_actions: the actions noise draws from.
         noise_seed: with the episode seed, seeds the noise stream (deterministic per episode).
+        max_turns: truncate the episode after this many turns (``info["demo_cut"]`` is then True).
     """
 
     def __init__(
@@ -155,10 +158,14 @@ class ExpertDemoWrapper(gym.Wrapper):
         noise: float = 0.0,
         noise_actions: Sequence[str] = NOISE_ACTIONS,
         noise_seed: int = 0,
+        max_turns: int | None = None,
     ) -> None:
         super().__init__(env)
         if not 0.0 <= noise < 1.0:
             raise InvalidArgumentError(f"noise must be in [0, 1), got {noise}")
+        if max_turns is not None and max_turns < 1:
+            raise InvalidArgumentError(f"max_turns must be >= 1 (or None), got {max_turns}")
+        self.max_turns = max_turns
         self.noise = float(noise)
         self.noise_actions = tuple(noise_actions)
         self.noise_seed = int(noise_seed)
@@ -194,7 +201,10 @@ class ExpertDemoWrapper(gym.Wrapper):
             self._noise_turns.append(self._turn)
         self._turn, self._pending, self._obs = self._turn + 1, False, obs
         info["demo_noise_turns"] = list(self._noise_turns)
-        return obs, reward, terminated, truncated, info
+        info["demo_cut"] = bool(
+            self.max_turns is not None and self._turn >= self.max_turns and not (terminated or truncated)
+        )
+        return obs, reward, terminated, truncated or info["demo_cut"], info
 
 
 def expert_teacher(env: gym.Env) -> str:
@@ -281,7 +291,7 @@ class DemosScriptArguments:
     output_dir: str = field(default="runs/demos", metadata={"help": "where the demos are written"})
     tasks: list[str] = field(
         default_factory=lambda: ["goto", "pickup", "open", "putnext", "pick_up_seq_go_to"],
-        metadata={"help": "BabyAI tasks (repeat --tasks)"},
+        metadata={"help": "BabyAI tasks (one or more: --tasks putnext open)"},
     )
     episodes_per_task: int = field(default=100, metadata={"help": "episodes per task"})
     seed: int = field(default=100_000, metadata={"help": "first train seed; task k uses a block of its own"})
@@ -291,6 +301,10 @@ class DemosScriptArguments:
     noise: float = field(default=0.0, metadata={"help": "probability of a random movement turn (masked)"})
     noise_seed: int = field(default=0, metadata={"help": "seeds the noise stream"})
     keep_failed: bool = field(default=False, metadata={"help": "also train on episodes that failed"})
+    max_turns: int | None = field(
+        default=None,
+        metadata={"help": "cut every episode after this many turns and keep it (opening-turn demos)"},
+    )
     prompt: str = field(default="reasoning", metadata={"help": "agent prompt format"})
     mode: str = field(default="attention_matching", metadata={"help": "compaction mode of the sessions"})
     max_kv_len: int | None = field(default=512, metadata={"help": "KV-budget trigger length"})
@@ -346,6 +360,8 @@ def parse_script_arguments(args: argparse.Namespace) -> DemosScriptArguments:
         raise InvalidArgumentError("--model is required (a flag or the config key 'model')")
     if min(script.episodes_per_task, script.batch, script.group_size, script.workers) < 1:
         raise InvalidArgumentError("--episodes-per-task, --batch, --group-size and --workers must be >= 1")
+    if script.max_turns is not None and script.max_turns < 1:
+        raise InvalidArgumentError(f"--max-turns must be >= 1, got {script.max_turns}")
     if script.seed < script.eval_seed_limit:
         raise InvalidArgumentError(
             f"--seed {script.seed} overlaps the evaluation seeds [0, {script.eval_seed_limit}); "
@@ -405,6 +421,7 @@ class DemoRecorder:
                     gym.make("AttnMatch-BabyAI-v0", task=task, action_parsing="tag"),
                     noise=self.script.noise,
                     noise_seed=self.script.noise_seed,
+                    max_turns=self.script.max_turns,
                 )
                 for _ in self.agents
             ]
@@ -517,10 +534,12 @@ def main(script: DemosScriptArguments) -> dict[str, Any]:
     for task, trajs in by_task.items():
         write_jsonl(traj_path, trajs, append=True)
         ok = [t for t in trajs if t.success]
-        kept += trajs if script.keep_failed else ok
+        cut = [t for t in trajs if t.info.get("demo_cut")]
+        kept += trajs if script.keep_failed else [t for t in trajs if t.success or t.info.get("demo_cut")]
         stats[task] = {
             "episodes": len(trajs),
             "success_rate": len(ok) / len(trajs),
+            "cut": len(cut),
             "turns_mean": float(np.mean([len(t.turns) for t in trajs])),
             "tokens_mean": float(np.mean([t.num_tokens for t in trajs])),
             "tokens_max": int(max(t.num_tokens for t in trajs)),

@@ -81,7 +81,7 @@ def test_gemv_matches_torch(dtype):
         x, w, b, nw = rnd(m, k), rnd(n, k) * k**-0.5, rnd(n), (torch.rand(k, generator=g, device=CUDA) + 0.5).to(dtype)
         r, gu = rnd(m, k), rnd(m, 2 * k)
         tiling = dict(split=split, block_n=bn)
-        for candidate in GEMV_CANDIDATES:
+        for candidate in [*GEMV_CANDIDATES, dict(programs_per_sm=8, num_warps=8), dict(num_stages=2, block_n=16)]:
             assert rel(gemv(x, w, **candidate), gemv_ref(x, w)) < tol
         assert rel(gemv(x, w, **tiling), gemv_ref(x, w)) < tol
         assert rel(gemv(x, w, b, **tiling), gemv_ref(x, w, b)) < tol
@@ -312,8 +312,9 @@ def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
 
 
 def test_programmatic_dependent_launch_changes_nothing(tiny_model_path, monkeypatch):
-    """``COMPACTION_GYM_PDL=1``: decode graphs (every projection on the GEMV, both fusions) give
-    bit-identical tokens and logprobs (the kernels only start earlier)."""
+    """Programmatic dependent launch (the default; ``COMPACTION_GYM_PDL=0`` turns it off): decode
+    graphs (every projection on the GEMV, both fusions) give bit-identical tokens and logprobs
+    (the kernels only start earlier)."""
     from compaction_gym.engine.fast.kernels import _pdl_supported, pdl_enabled
 
     if not _pdl_supported(torch.cuda.current_device()):
@@ -326,7 +327,10 @@ def test_programmatic_dependent_launch_changes_nothing(tiny_model_path, monkeypa
     fast.decoder._tune = lambda x, w, b, act=None: ("gemv", {})
     out = {}
     for pdl in ("0", "1"):
-        monkeypatch.setenv("COMPACTION_GYM_PDL", pdl)
+        if pdl == "1":
+            monkeypatch.delenv("COMPACTION_GYM_PDL", raising=False)
+        else:
+            monkeypatch.setenv("COMPACTION_GYM_PDL", pdl)
         assert pdl_enabled(fast.cache.k) == (pdl == "1")
         fast.cache.k.copy_(saved[0])
         fast.cache.v.copy_(saved[1])

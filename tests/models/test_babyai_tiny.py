@@ -35,7 +35,8 @@ def test_bundled_model_resolves_and_loads_offline():
     size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
     assert size < 20 * 2**20, f"the bundled model directory is {size / 2**20:.1f} MiB"
     meta = json.loads((directory / "compaction_gym.json").read_text())
-    assert [stage["sft_config_sha256"] for stage in meta["recipe"]] and all(s["trees_sha256"] for s in meta["recipe"])
+    assert [stage["sft_config_sha256"] for stage in meta["recipe"]]
+    assert all(d["trees_sha256"] and d["config_sha256"] for stage in meta["recipe"] for d in stage["demos"])
 
 
 def test_unknown_bundled_model_is_a_clear_error():

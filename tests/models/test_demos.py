@@ -153,3 +153,37 @@ def test_workers_record_the_same_trees_as_one_process(tiny_model_path, tmp_path)
         assert manifest["seeds"] == {"goto": [100000, 100001, 2], "pickup": [100002, 100003, 2]}
         rows[workers] = (out / "trees.jsonl").read_text()
     assert rows[1] == rows[2] and rows[1].count("\n") == 4
+
+
+def test_max_turns_cuts_episodes_into_kept_opening_demos(tiny_model_path, tmp_path):
+    """``--max-turns``: every episode stops after that many turns, is flagged ``demo_cut`` and is
+    kept for SFT (targets on its non-noise outputs); the teacher's texts are the whole episode's
+    first turns."""
+    from compaction_gym.agents import read_jsonl
+    from compaction_gym.cli import main
+
+    env = ExpertDemoWrapper(gym.make("AttnMatch-BabyAI-v0", task="putnext", action_parsing="tag"), max_turns=3)
+    env.reset(seed=100000)
+    full = ExpertDemoWrapper(gym.make("AttnMatch-BabyAI-v0", task="putnext", action_parsing="tag"))
+    full.reset(seed=100000)
+    for turn in range(3):
+        text = env.teacher_text()
+        assert text == full.teacher_text()
+        _, _, terminated, truncated, info = env.step(text)
+        full.step(text)
+        assert not terminated and truncated == (turn == 2) and info["demo_cut"] == (turn == 2)
+    with pytest.raises(InvalidArgumentError, match="max_turns must be >= 1"):
+        ExpertDemoWrapper(gym.make("AttnMatch-BabyAI-v0", task="goto"), max_turns=0)
+
+    out = tmp_path / "openings"
+    rc = main(
+        ["train", "demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "putnext",
+         "--episodes-per-task", "3", "--batch", "3", "--max-turns", "2", "--group-size", "3",
+         "--threads", "1", "--device", "cpu"]
+    )  # fmt: skip
+    assert rc == 0
+    trajs = read_jsonl(out / "trajectories.jsonl")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [len(t.turns) for t in trajs] == [2, 2, 2] and all(t.info["demo_cut"] and not t.success for t in trajs)
+    assert manifest["episodes_kept"] == 3 and manifest["trees"] == 1 and manifest["tasks"]["putnext"]["cut"] == 3
+    assert manifest["target_tokens"] == sum(sum(demo_sequence(t)[1]) for t in trajs) > 0

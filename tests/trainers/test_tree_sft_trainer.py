@@ -226,6 +226,12 @@ def test_cli_train_sft(tmp_path, tiny_model_path, demonstrations, capsys):
     assert (
         summary["trees"] == 1 and summary["mean_leaves"] == 4 and summary["branch_tokens/packed_tokens"] > 1
     )
+    more = tmp_path / "more.jsonl"
+    write_jsonl(more, demonstrations[:4])
+    assert main(["train", "sft", "--config", str(config), "--dry-run", "--dataset", str(demos), str(more)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["trees"] == 2  # files concatenated
+    assert main(["train", "sft", "--config", str(config), "--dry-run", "--dataset", str(demos), "nope.jsonl"]) == 2
+    assert "--dataset nope.jsonl: no such file or directory" in capsys.readouterr().err
 
     assert (
         main(["train", "sft", "--config", str(config), "--max-steps", "1", "--no-tree", "--dtype", "float64"])

@@ -45,7 +45,7 @@ from compaction_gym.engine.fast.kernels import (
 #: Largest number of rows :func:`gemv` takes (the tensor-core tile height).
 GEMV_MAX_M = 16
 #: Tilings the fast decoder times against cuBLAS for each projection shape (``{}``: the defaults).
-GEMV_CANDIDATES: tuple[dict, ...] = ({}, {"block_k": 256}, {"block_k": 512})
+GEMV_CANDIDATES: tuple[dict, ...] = ({}, {"block_k": 256}, {"block_n": 64}, {"block_n": 64, "block_k": 256})
 
 if HAS_TRITON:
     import triton
@@ -219,6 +219,7 @@ def gemv(
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None, silu: bool = False, act: str | None = None,
     sm_count: int | None = None, block_n: int | None = None, block_k: int | None = None, split: int | None = None,
+    programs_per_sm: int = 2, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``f(x) Wᵀ (+ bias)`` for ``x [M ≤ 16, K]`` (``[M, 2K]`` with ``silu``), ``W [N, K]`` → ``[M, N]``
     (``[M, N / 2]`` with ``act``).
@@ -234,6 +235,10 @@ def gemv(
             stored is ``silu(gate) · up`` with :func:`silu_mul_ref`'s roundings.
         sm_count: multiprocessors of the device (for the split-K choice).
         block_n, block_k, split: override the tiling (tests and benchmarks).
+        programs_per_sm: without ``split``, split ``K`` until the launch has about this many
+            programs per multiprocessor (more programs keep more weight bytes in flight).
+        num_warps, num_stages: the Triton launch's warps and software-pipeline depth (default:
+            as many stages of the ``W`` tile as fit 160 KiB, 2 to 4).
     """
     assert act in (None, "silu_mul"), act
     if not gemv_supported(x, weight, act):
@@ -249,10 +254,12 @@ def gemv(
     sms = sm_count or torch.cuda.get_device_properties(x.device).multi_processor_count
     ieee = x.dtype == torch.float32
     bk = min(block_k or 128, 64 if ieee else 512)
-    bn = block_n or (64 if triton.cdiv(n, 64) >= 4 * sms else (32 if triton.cdiv(n, 32) >= 2 * sms else 16))
+    # wide tiles even when they leave SMs idle: at M = 1 a program's fixed cost (x loads, split-K
+    # partials) outweighs parallelism (docs/benchmarks.md, "GEMV tilings")
+    bn = block_n or (64 if triton.cdiv(n, 64) >= 4 * sms else 32)
     n_tiles = triton.cdiv(n, bn)
     if split is None:
-        split = max(1, min(triton.cdiv(2 * sms, n_tiles), k // (4 * bk)))
+        split = max(1, min(triton.cdiv(programs_per_sm * sms, n_tiles), k // (4 * bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
     y = x.new_empty(m, n // 2 if act else n)
@@ -267,7 +274,8 @@ def gemv(
         m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm_weight is not None, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, SILU=silu,
         HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=GEMV_MAX_M, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=4, num_stages=max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
+        BLOCK_K=bk, num_warps=num_warps,
+        num_stages=num_stages or max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
         **pdl_kwargs(x),
     )  # fmt: skip
     return y

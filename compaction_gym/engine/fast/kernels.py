@@ -11,7 +11,7 @@ multiply by the weight; rotary products rounded one by one), so the fast path tr
 path to the last bit in float32 and closely in bf16. The references are what the kernels are
 tested against and what runs where Triton is missing.
 
-**Programmatic dependent launch** (opt-in, ``COMPACTION_GYM_PDL=1``): on Hopper and later with
+**Programmatic dependent launch** (on by default; ``COMPACTION_GYM_PDL=0`` turns it off): on Hopper and later with
 Triton ≥ 3.4, the decode step's Triton kernels (these, the GEMV, decode attention) are launched
 with ``launch_pdl=True``: each waits for the previous kernel's completion (``griddepcontrol.wait``)
 as its first instruction, before any load or store, and then lets the next kernel launch, so the
@@ -204,9 +204,9 @@ def _interpreting() -> bool:
 
 def pdl_enabled(x: torch.Tensor) -> bool:
     """Whether Triton launches on ``x``'s device use programmatic dependent launch (module docstring):
-    ``COMPACTION_GYM_PDL=1``, a CUDA device of compute capability ≥ 9, Triton with grid dependency
-    control, not the interpreter."""
-    if os.environ.get("COMPACTION_GYM_PDL") != "1" or not x.is_cuda or _interpreting():
+    not turned off by ``COMPACTION_GYM_PDL=0``, a CUDA device of compute capability ≥ 9, Triton with
+    grid dependency control, not the interpreter."""
+    if os.environ.get("COMPACTION_GYM_PDL") == "0" or not x.is_cuda or _interpreting():
         return False
     return _pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

@@ -39,11 +39,11 @@ class TreeSFTScriptArguments:
     """Arguments of ``compaction-gym train sft`` (also the keys of its ``--config`` TOML file)."""
 
     model: str | None = field(default=None, metadata={"help": "model path or hub id (required)"})
-    dataset: str | None = field(
+    dataset: list[str] | None = field(
         default=None,
         metadata={
             "help": "a .jsonl/.json file (tree rows, chat {'messages': ...} or trajectories) or a "
-            "directory saved with Dataset.save_to_disk (required)"
+            "directory saved with Dataset.save_to_disk (required); several files are concatenated"
         },
     )
     dataset_format: str = field(
@@ -119,6 +119,9 @@ def parse_script_arguments(args: argparse.Namespace) -> TreeSFTScriptArguments:
     )
     if script.group_size < 1:
         raise InvalidArgumentError(f"--group-size must be >= 1, got {script.group_size}")
+    missing = [str(p) for p in dataset_paths(script.dataset) if not p.exists()]
+    if missing:
+        raise InvalidArgumentError(f"--dataset {' '.join(missing)}: no such file or directory")
     return script
 
 
@@ -164,23 +167,39 @@ def detect_format(row: dict[str, Any]) -> str:
     )
 
 
+def dataset_paths(dataset: str | list[str] | None) -> list[Path]:
+    """``--dataset`` as paths: a TOML string, or the flag's / TOML list's one or more values."""
+    names = [dataset] if isinstance(dataset, str) else list(dataset or [])
+    if not names:
+        raise InvalidArgumentError("--dataset is required (a flag or the config key 'dataset')")
+    return [Path(n) for n in names]
+
+
 def load_tree_dataset(script: TreeSFTScriptArguments, tokenizer=None):
-    """Read ``script.dataset`` and return a ``datasets.Dataset`` of tree rows."""
+    """Read ``script.dataset`` (files concatenated in order) and return a ``datasets.Dataset`` of tree rows."""
     from datasets import Dataset, load_from_disk
 
     from compaction_gym.trainers.tree.builders import tree_from_chat, tree_from_trajectories, trees_to_dataset
     from compaction_gym.trainers.tree.tree import Tree
 
-    path = Path(script.dataset)
-    rows: Dataset | list[dict[str, Any]]
-    if path.is_dir():
-        rows = load_from_disk(str(path))
-    elif path.is_file():
-        rows = _read_rows(path)
-    else:
-        raise InvalidArgumentError(f"--dataset {script.dataset}: no such file or directory")
+    paths = dataset_paths(script.dataset)
+    rows: Dataset | list[dict[str, Any]] = []
+    for path in paths:
+        if path.is_dir() and len(paths) == 1:
+            rows = load_from_disk(str(path))
+        elif path.is_dir():
+            raise InvalidArgumentError(
+                f"--dataset {path}: a saved Dataset directory cannot be mixed with other datasets"
+            )
+        elif path.is_file():
+            part = _read_rows(path)
+            if not part:
+                raise InvalidArgumentError(f"--dataset {path} is empty")
+            rows += part
+        else:
+            raise InvalidArgumentError(f"--dataset {path}: no such file or directory")
     if len(rows) == 0:
-        raise InvalidArgumentError(f"--dataset {script.dataset} is empty")
+        raise InvalidArgumentError(f"--dataset {paths[0]} is empty")
     fmt = detect_format(rows[0]) if script.dataset_format == "auto" else script.dataset_format
     if fmt == "tree":
         return rows if isinstance(rows, Dataset) else trees_to_dataset(Tree.from_dict(r) for r in rows)
@@ -192,7 +211,7 @@ def load_tree_dataset(script: TreeSFTScriptArguments, tokenizer=None):
             try:
                 trees.append(tree_from_chat(r["messages"], tokenizer))
             except (InvalidArgumentError, KeyError) as exc:
-                raise InvalidArgumentError(f"--dataset {script.dataset}, row {i}: {exc}") from exc
+                raise InvalidArgumentError(f"--dataset row {i}: {exc}") from exc
         return trees_to_dataset(trees)
     from compaction_gym.agents.trajectory import Trajectory
 
