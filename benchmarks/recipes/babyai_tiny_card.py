@@ -9,7 +9,8 @@
         --out compaction_gym/models/babyai-tiny
 
 Writes ``OUT/loss_curve.png``, ``OUT/training_log.jsonl`` (the trainer's log history) and prints
-markdown tables (per task; one row per evaluation directory) to paste into the card.
+markdown tables (per task; one row per evaluation directory) to paste into the card; ``--binding
+DIR`` prints how often the first turn's reasoning finds its object (``opening_binding``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,50 @@ def eval_table(dirs: list[Path]) -> str:
             + f" | **{o['progression']['mean']:.1f} ± {o['progression']['se']:.1f}** | {o['peak_kv_mean']:.0f}"
             + f" | {o['compaction_events_mean']:.1f} |"
         )  # fmt: skip
+    return "\n".join(rows)
+
+
+def opening_binding(dirs: list[Path]) -> str:
+    """Markdown: how often the first turn's reasoning names the right position for its object.
+
+    For each episode's first turn with at least one object in view, the model's ``It is ...`` is
+    compared with the template's (the nearest object of the sub-goal's colour and kind, or "not in
+    view"); a wrong claim is classed as the *first listed* object's position, another listed
+    object's, "not in view", or other. Cheap to produce: ``compaction-gym eval --max-steps 1``.
+    """
+    import re
+
+    from compaction_gym.agents import read_jsonl
+    from compaction_gym.trainers.demos import babyai_reasoning
+
+    rows = ["| run | objects in view | episodes | right | first listed | other listed | not in view | other |"]
+    rows.append("|---|---|---|---|---|---|---|---|")
+    for d in dirs:
+        counts: dict[int, dict[str, int]] = {}
+        for traj in read_jsonl(d / "trajectories.jsonl"):
+            turn = traj.turns[0]
+            objects = [
+                line for line in turn.observation.split("\n") if not line.startswith(("a wall", "You carry"))
+            ]
+            if not objects:
+                continue
+            claim = re.search(r"It is (.*?)\.</think>", turn.action_text or "")
+            expected = babyai_reasoning(traj.info["mission"], turn.observation).split("It is ", 1)[1][:-1]
+            where = [re.sub(r"^a (?:\w+ )?\w+ (?:ball|box|key|door) ", "", o) for o in objects]
+            got = claim.group(1) if claim else None
+            kind = (
+                "right" if got == expected else "first listed" if got == where[0]
+                else "other listed" if got in where else "not in view" if got == "not in view" else "other"
+            )  # fmt: skip
+            c = counts.setdefault(min(len(objects), 2), {})
+            c[kind] = c.get(kind, 0) + 1
+        for n, c in sorted(counts.items()):
+            total = sum(c.values())
+            cells = [f"{c.get(k, 0)}" for k in ("first listed", "other listed", "not in view", "other")]
+            rows.append(
+                f"| {d.name} | {n if n < 2 else '2+'} | {total} | **{100 * c.get('right', 0) / total:.0f} %** | "
+                + " | ".join(cells) + " |"
+            )  # fmt: skip
     return "\n".join(rows)
 
 
@@ -215,6 +260,10 @@ def main() -> None:
     )
     parser.add_argument("--eval", type=Path, action="append", default=[], help="eval output directory")
     parser.add_argument(
+        "--binding", type=Path, action="append", default=[],
+        help="eval output directory: table of the first turn's object binding (see opening_binding)",
+    )  # fmt: skip
+    parser.add_argument(
         "--merge", type=Path, action="append", default=[], help="eval dirs to merge into --merged"
     )
     parser.add_argument("--merged", type=Path, help="where --merge writes the merged evaluation")
@@ -235,6 +284,8 @@ def main() -> None:
         print(f"{len(steps)} logged steps; final loss {steps[-1]['loss']}")
     if args.eval:
         print(eval_table(args.eval))
+    if args.binding:
+        print(opening_binding(args.binding))
 
 
 if __name__ == "__main__":
