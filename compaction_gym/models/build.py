@@ -16,6 +16,15 @@ from compaction_gym.errors import InvalidArgumentError
 
 #: Tags of the ``reasoning`` prompt format, added as whole tokens (as Qwen3's ``<think>``).
 TAG_TOKENS = ("<think>", "</think>", "<action>", "</action>")
+#: BabyAI's object colours and kinds.
+OBJECT_COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
+OBJECT_KINDS = ("ball", "box", "key", "door")
+
+
+def object_tokens() -> list[str]:
+    """``" {colour} {kind}"`` for every BabyAI object, leading space included (how every mention
+    reads: "a green key", "the green key"), so that each object name encodes as one token."""
+    return [f" {c} {k}" for c in OBJECT_COLORS for k in OBJECT_KINDS]
 
 
 @dataclass
@@ -34,6 +43,9 @@ class BaseModelConfig:
     tie_embeddings: bool = True
     initializer_range: float = 0.02
     seed: int = 0
+    #: add :func:`object_tokens` as whole tokens: looking an object up by name becomes a one-token
+    #: match instead of a (colour, kind) pair the small model fails to learn (benchmarks/recipes/README.md)
+    object_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -69,6 +81,10 @@ def build_base_model(
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(None, vocab=config.vocab, corpus=list(corpus))
     tokenizer.add_tokens(list(TAG_TOKENS))
+    if config.object_tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, normalized=False) for t in object_tokens()])
     tokenizer.save_pretrained(str(output))
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model_config = Qwen3Config(
