@@ -47,7 +47,8 @@ T0=$(date +%s)
 jobs_list > "$O/parts/jobs.txt"
 # TIME_LIMIT (seconds): stop there and merge what finished (episodes of unfinished processes are lost)
 timeout "${TIME_LIMIT:-100000}" xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ < "$O/parts/jobs.txt"
-pkill -f "compaction_gym.cli eval --model $MODEL" 2>/dev/null
+# on a timeout, stop the evaluations xargs had started (they write under $O/parts)
+[ $? -eq 124 ] && pkill -f -- "--output $O/parts/" 2>/dev/null
 for name in full mem_attention_matching mem_markovian mem_none quickstart; do
   args=()
   for d in "$O"/parts/${name}_*/; do [ -f "$d/summary.json" ] && args+=(--merge "$d"); done
