@@ -55,7 +55,10 @@ for name in full mem_attention_matching mem_markovian mem_none quickstart; do
   [ ${#args[@]} -gt 0 ] || continue
   python3 benchmarks/recipes/babyai_tiny_card.py "${args[@]}" --merged "$O/$name" > /dev/null
 done
-{ python3 benchmarks/recipes/babyai_tiny_card.py --eval "$O/full" --eval "$O/quickstart"; echo
-  python3 benchmarks/recipes/babyai_tiny_card.py --eval "$O/mem_none" --eval "$O/mem_markovian" \
-    --eval "$O/mem_attention_matching"; } | tee "$O/tables.md"
+table() {  # the evaluations among $@ that were merged, as one table
+  local args=() name
+  for name in "$@"; do [ -f "$O/$name/summary.json" ] && args+=(--eval "$O/$name"); done
+  [ ${#args[@]} -eq 0 ] || python3 benchmarks/recipes/babyai_tiny_card.py "${args[@]}"
+}
+{ table full quickstart; echo; table mem_none mem_markovian mem_attention_matching; } | tee "$O/tables.md"
 echo "evaluations took $(( $(date +%s) - T0 )) s"
