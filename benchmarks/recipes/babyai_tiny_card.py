@@ -95,6 +95,7 @@ def opening_binding(dirs: list[Path]) -> str:
     import re
 
     from compaction_gym.agents import read_jsonl
+    from compaction_gym.envs.babyai.text import OBJECT_KINDS
     from compaction_gym.trainers.demos import babyai_reasoning
 
     rows = ["| run | objects in view | episodes | right | first listed | other listed | not in view | other |"]
@@ -110,7 +111,7 @@ def opening_binding(dirs: list[Path]) -> str:
                 continue
             claim = re.search(r"It is (.*?)\.</think>", turn.action_text or "")
             expected = babyai_reasoning(traj.info["mission"], turn.observation).split("It is ", 1)[1][:-1]
-            where = [re.sub(r"^a (?:\w+ )?\w+ (?:ball|box|key|door) ", "", o) for o in objects]
+            where = [re.sub(rf"^a (?:\w+ )?\w+ (?:{'|'.join(OBJECT_KINDS)}) ", "", o) for o in objects]
             got = claim.group(1) if claim else None
             kind = (
                 "right" if got == expected else "first listed" if got == where[0]

@@ -16,14 +16,13 @@ from compaction_gym.errors import InvalidArgumentError
 
 #: Tags of the ``reasoning`` prompt format, added as whole tokens (as Qwen3's ``<think>``).
 TAG_TOKENS = ("<think>", "</think>", "<action>", "</action>")
-#: BabyAI's object colours and kinds.
-OBJECT_COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
-OBJECT_KINDS = ("ball", "box", "key", "door")
 
 
 def object_tokens() -> list[str]:
     """``" {colour} {kind}"`` for every BabyAI object, leading space included (how every mention
     reads: "a green key", "the green key"), so that each object name encodes as one token."""
+    from compaction_gym.envs.babyai.text import OBJECT_COLORS, OBJECT_KINDS
+
     return [f" {c} {k}" for c in OBJECT_COLORS for k in OBJECT_KINDS]
 
 

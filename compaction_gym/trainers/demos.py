@@ -44,6 +44,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from compaction_gym.envs.babyai.text import OBJECT_COLORS, OBJECT_KINDS
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.script_args import (
     add_dataclass_arguments,
@@ -57,7 +58,7 @@ from compaction_gym.trainers.script_args import (
 NOISE_ACTIONS: tuple[str, ...] = ("turn left", "turn right", "go forward")
 DEMOS_SCHEMA = "compaction-gym/demos-manifest/v1"
 
-_OBJ = r"(?:the|a) (?:(red|green|blue|purple|yellow|grey) )?(ball|box|key|door)"
+_OBJ = rf"(?:the|a) (?:({'|'.join(OBJECT_COLORS)}) )?({'|'.join(OBJECT_KINDS)})"
 _MISSIONS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("putnext", re.compile(rf"^put {_OBJ} next to {_OBJ}$")),
     ("seq_before", re.compile(rf"^pick up {_OBJ}, then go to {_OBJ}$")),

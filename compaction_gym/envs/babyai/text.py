@@ -16,6 +16,9 @@ from minigrid.minigrid_env import MiniGridEnv
 from compaction_gym.errors import InvalidArgumentError
 
 _TRANSPARENT = ("unseen", "empty")  # a wall scan passes over these kinds
+#: The colours and kinds the text names objects by (``a {colour} {kind}``), in minigrid's order.
+OBJECT_COLORS: tuple[str, ...] = ("red", "green", "blue", "purple", "yellow", "grey")
+OBJECT_KINDS: tuple[str, ...] = ("ball", "box", "key", "door")
 
 
 def _steps(n: int) -> str:
