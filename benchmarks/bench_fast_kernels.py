@@ -12,6 +12,9 @@
   package's projected Newton with 2 steps (the fast path's previous solver); objective relative to
   the converged projected Newton.
 * **Cholesky** — ``torch.linalg.cholesky_ex`` of ``[288, 256, 256]`` with cuSOLVER and MAGMA.
+* ``--attention``: instead, a grid of decode-attention launches (splits, keys per step, warps,
+  pipeline stages) at the runner's shapes (batch 1 / 32, KV 1k / 8k, one layer of a slot cache with
+  several layers in rotation), against the runner's choice and the floor = KV bytes ÷ copy bandwidth.
 
 Usage:
     python benchmarks/bench_fast_kernels.py
@@ -37,6 +40,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="instead: time a grid of GEMV tilings (block sizes, programs per SM, warps) on these "
         "projections (e.g. qwen3-4b/o; none given: every projection) and print the best per shape",
     )  # fmt: skip
+    p.add_argument("--attention", action="store_true", help="instead: sweep decode-attention launches")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="with --attention")
+    p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192], help="with --attention")
+    p.add_argument("--models", nargs="+", default=list(QWEN3_SHAPES), choices=list(QWEN3_SHAPES), help="with --attention")
     return p
 
 
@@ -158,6 +165,94 @@ def sweep_gemv(args) -> list[list[object]]:
     return rows
 
 
+#: The launches ``--attention`` times (every combination; splits as multiples of the runner's).
+ATTENTION_GRID = {
+    "split_factor": (0.5, 1, 2, 4),
+    "block_n": (32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3),
+}
+
+
+@torch.no_grad()
+def attention_case(name: str, batch: int, kv: int, args, bw: float) -> list[list[object]]:
+    """Every :data:`ATTENTION_GRID` launch of ``decode_attention`` on one (model, batch, KV): the
+    runner's choice and the best three, as × the floor (KV bytes ÷ the copy bandwidth ``bw``)."""
+    import itertools
+
+    from compaction_gym.engine.fast.attention import decode_attention, decode_attention_sdpa, num_splits_for
+
+    sh = QWEN3_SHAPES[name]
+    n_q, n_kv, d = sh["num_attention_heads"], sh["num_key_value_heads"], sh["head_dim"]
+    per_layer = batch * n_kv * kv * d * 2 * 2  # K and V, bf16
+    layers = max(2, min(sh["num_hidden_layers"], (512 << 20) // per_layer))
+    shape = (batch, layers, n_kv, kv, d)  # the slot cache's layout; one layer per call, rotating
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    beta = torch.zeros(batch, layers, n_kv, kv, device="cuda")
+    q = torch.randn(batch, n_q, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(batch, device="cuda")
+    lens = torch.full((batch,), kv, device="cuda", dtype=torch.int32)
+    base = num_splits_for(batch, n_kv, kv, torch.cuda.get_device_properties(0).multi_processor_count)
+    ref = decode_attention_sdpa(q, k[:, 0], v[:, 0], beta[:, 0], slots, lens, d**-0.5)
+    floor = per_layer / bw
+
+    def time(c: dict) -> float:
+        splits = max(1, int(base * c["split_factor"]))
+        kw = dict(
+            block_n=c["block_n"],
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
+            fused_merge=splits == 1,
+        )
+
+        def call(i: int) -> torch.Tensor:
+            j = i % layers
+            return decode_attention(q, k[:, j], v[:, j], beta[:, j], slots, lens, d**-0.5, splits, **kw)
+
+        if rel(call(0), ref) > 2e-2:
+            raise AssertionError(f"{name} b{batch} kv{kv} {c}: attention disagrees with SDPA")
+        return graph_time(call, repeats=args.repeats)
+
+    default = time({"split_factor": 1, "block_n": 64, "num_warps": 4, "num_stages": 2})
+    grid = [dict(zip(ATTENTION_GRID, values)) for values in itertools.product(*ATTENTION_GRID.values())]
+    rows = []
+    for rank, (t, c) in enumerate(sorted(((time(c), c) for c in grid), key=lambda tc: tc[0])[:3]):
+        launch = f"splits={max(1, int(base * c['split_factor']))} " + " ".join(
+            f"{a}={b}" for a, b in c.items() if a != "split_factor"
+        )
+        rows.append(
+            [
+                name,
+                batch,
+                kv,
+                rank + 1,
+                launch,
+                t * 1e6,
+                t / floor,
+                default * 1e6,
+                default / floor,
+                per_layer / t / 1e9,
+            ]
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_attention(args) -> list[list[object]]:
+    """:func:`attention_case` on every (model, batch, KV) of the arguments."""
+    import itertools
+
+    from gpu_shapes import copy_bandwidth
+
+    bw = copy_bandwidth()
+    rows = []
+    for name, batch, kv in itertools.product(args.models, args.batches, args.kv):
+        rows += attention_case(name, batch, kv, args, bw)
+        torch.cuda.empty_cache()
+    return rows
+
+
 @torch.no_grad()
 def nnls_problem(seed: int = 0):
     """β's Gram system of one 4B-shaped event (288 problems, t = 256, 1024 probes)."""
@@ -247,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_fast_kernels needs a CUDA device", file=sys.stderr)
         return 2
     tables = []
-    if args.sweep is not None:
+    if args.attention:
+        headers = ["model", "batch", "KV", "rank", "launch", "µs", "× floor", "default µs", "default × floor", "GB/s"]
+        tables.append((headers, sweep_attention(args), "Decode attention launches (bf16, one layer, CUDA-graph replays)"))
+        args.skip = ["gemv", "nnls", "cholesky"]
+    elif args.sweep is not None:
         headers = ["projection", "M", "N×K", "rank", "tiling", "µs", "default GEMV µs", "cuBLAS µs",
                    "cuBLAS / this", "GB/s"]  # fmt: skip
         tables.append((headers, sweep_gemv(args), "GEMV tilings (bf16, CUDA-graph replays)"))

@@ -52,7 +52,10 @@ record() {
 train() {
   local cfg=$1 model=$2 name=$3 d datasets=()
   shift 3
-  for d in "$@"; do datasets+=("$R/$d/trees.jsonl"); done
+  for d in "$@"; do
+    [ -f "$R/$d/trees.jsonl" ] || gunzip -k "$R/$d/trees.jsonl.gz"
+    datasets+=("$R/$d/trees.jsonl")
+  done
   timeout "$SFT_T" $py -m compaction_gym.cli train sft --config "$cfg" --model "$model" \
     --dataset "${datasets[@]}" --output-dir "$R/$name" $EXTRA > "/tmp/$name.log" 2>&1
   stamp "$name exit $?"

@@ -238,6 +238,8 @@ def decode_attention(
     num_splits: int = 8,
     block_n: int = 64,
     fused_merge: bool = True,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of one query per row over its slot's first ``lens[b]`` rows, with β.
 
@@ -251,6 +253,8 @@ def decode_attention(
         num_splits: sequence splits per (row, KV head) (fixed per captured graph).
         fused_merge: one launch: the last split program of each (row, KV head) to finish merges
             the splits (one split: stores its output directly); else a second kernel merges.
+        block_n, num_warps, num_stages: keys per loop step and the split kernel's launch
+            (benchmarks sweep them: ``bench_fast_kernels.py --attention``).
 
     Returns:
         ``[B, H_q, d]`` in ``q``'s dtype.
@@ -281,7 +285,8 @@ def decode_attention(
         scale * 1.4426950408889634,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=d,
         NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, FUSED=fused,
-        BLOCK_G=block_g, BLOCK_S=block_s, CHUNK=min(block_s, max(1, 32 // block_g)), num_warps=4, num_stages=2,
+        BLOCK_G=block_g, BLOCK_S=block_s, CHUNK=min(block_s, max(1, 32 // block_g)), num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_kwargs(q),
     )  # fmt: skip
     if not fused:
