@@ -74,12 +74,12 @@ case "$PHASE" in
     gzip -c "$R/demos/trees.jsonl" > "$O/trees.jsonl.gz"
     exit 0 ;;
   stage2)  # steps 3-4: more demos of the hard tasks, one more SFT epoch
-    record benchmarks/recipes/babyai_tiny_stage2_demos.toml "$R/sft" demos2
+    record benchmarks/recipes/babyai_tiny_stage2_demos.toml "$R/base" demos2
     train benchmarks/recipes/babyai_tiny_stage2.toml "$R/sft" sft2 demos2
     exit 0 ;;
   stage3)  # steps 5-7: opening-turn demos and replayed episodes, two SFT epochs, the quick evaluation
-    record benchmarks/recipes/babyai_tiny_stage3_demos.toml "$R/sft2" demos3
-    record benchmarks/recipes/babyai_tiny_stage3_replay_demos.toml "$R/sft2" demos3_replay
+    record benchmarks/recipes/babyai_tiny_stage3_demos.toml "$R/base" demos3
+    record benchmarks/recipes/babyai_tiny_stage3_replay_demos.toml "$R/base" demos3_replay
     train benchmarks/recipes/babyai_tiny_stage3.toml "$R/sft2" sft3 demos3 demos3_replay ;;
   sft)  # step 2, then the quick evaluation below
     train benchmarks/recipes/babyai_tiny.toml "$R/base" sft demos ;;
