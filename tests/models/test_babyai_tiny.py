@@ -14,7 +14,7 @@ from compaction_gym.errors import InvalidArgumentError
 #: 4096-row sessions, so a looping episode stops early and counts as a failure) and the loose bound on
 #: overall progression (%). The shipped model's 50-episode numbers are in its model card.
 SMOKE_EPISODES = 5
-SMOKE_MIN_PROGRESSION = 50.0
+SMOKE_MIN_PROGRESSION = 80.0  # the shipped model: 96 on these seeds (model card: 97.6 on 50 per task)
 
 
 @pytest.fixture(autouse=True)
