@@ -187,3 +187,33 @@ def test_max_turns_cuts_episodes_into_kept_opening_demos(tiny_model_path, tmp_pa
     assert [len(t.turns) for t in trajs] == [2, 2, 2] and all(t.info["demo_cut"] and not t.success for t in trajs)
     assert manifest["episodes_kept"] == 3 and manifest["trees"] == 1 and manifest["tasks"]["putnext"]["cut"] == 3
     assert manifest["target_tokens"] == sum(sum(demo_sequence(t)[1]) for t in trajs) > 0
+
+
+def test_trees_depend_on_the_tokenizer_not_the_weights(tiny_model_path, tmp_path):
+    """The recipe records every stage's demos with the base model: the trees (token ids and target
+    masks) come from the seeds, the teacher and the tokenizer, so other weights give the same file."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compaction_gym.cli import main
+
+    other = tmp_path / "other_weights"
+    shutil.copytree(tiny_model_path, other)
+    model = AutoModelForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    model.save_pretrained(other)
+    trees = {}
+    for name, path in (("base", tiny_model_path), ("other", other)):
+        out = tmp_path / name
+        rc = main(
+            ["train", "demos", "--model", str(path), "--output-dir", str(out), "--tasks", "open",
+             "--episodes-per-task", "2", "--batch", "2", "--noise", "0.2", "--max-kv-len", "256",
+             "--compact-window", "128", "--threads", "1", "--device", "cpu"]
+        )  # fmt: skip
+        assert rc == 0
+        trees[name] = (out / "trees.jsonl").read_text()
+    assert trees["base"] == trees["other"] and trees["base"].count("\n") == 2
