@@ -4,7 +4,7 @@
 #   full/                 full KV, BALROG protocol, 5 tasks x seeds 0..49
 #   mem_<mode>/           the memory-dependent variant: open / putnext / pick_up_seq_go_to, seeds
 #                         0..29, KV budget 384 (compact 192 tokens to 25 %) for attention_matching and
-#                         markovian; full KV for none
+#                         markovian; full KV for none (the full run's chunks of those seeds)
 #   quickstart/           the README's main command (attention matching, max_kv_len 1024, seeds 0..9)
 # Usage, from the repository root:  bash benchmarks/recipes/babyai_tiny_eval.sh MODEL OUT [JOBS]
 # (always the `reasoning` prompt the recipe trains: an SFT output directory has no compaction_gym.json
@@ -28,7 +28,8 @@ jobs_list() {  # one line per process, the slowest tasks first: NAME SEED EPISOD
   for t in $MEM_TASKS; do for s in $MEM_SEEDS; do
     echo "mem_attention_matching $s $EPS $t --mode attention_matching $MEM"
     echo "mem_markovian $s $EPS $t --mode markovian $MEM"
-    echo "mem_none $s $EPS $t --mode none"
+    # full KV on a seed chunk the full run already plays is that run's chunk (merged below)
+    case " $FULL_SEEDS " in *" $s "*) ;; *) echo "mem_none $s $EPS $t --mode none" ;; esac
   done; done
   for t in goto pickup; do for s in $FULL_SEEDS; do echo "full $s $EPS $t --mode none"; done; done
   for t in $TASKS; do echo "quickstart 0 $EPS $t --mode attention_matching --max-kv-len 1024"; done
@@ -52,6 +53,12 @@ timeout "${TIME_LIMIT:-100000}" xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ <
 for name in full mem_attention_matching mem_markovian mem_none quickstart; do
   args=()
   for d in "$O"/parts/${name}_*/; do [ -f "$d/summary.json" ] && args+=(--merge "$d"); done
+  if [ "$name" = mem_none ]; then
+    for t in $MEM_TASKS; do for s in $MEM_SEEDS; do
+      d="$O/parts/full_${t}_$s/"
+      [ -f "$d/summary.json" ] && args+=(--merge "$d")
+    done; done
+  fi
   [ ${#args[@]} -gt 0 ] || continue
   python3 benchmarks/recipes/babyai_tiny_card.py "${args[@]}" --merged "$O/$name" > /dev/null
 done
