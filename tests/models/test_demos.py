@@ -115,18 +115,23 @@ def test_train_seeds_must_avoid_eval_seeds(tmp_path):
         parse_script_arguments(argparse.Namespace(config=str(cfg)))
 
 
-def test_demos_command_writes_trajectories_trees_and_manifest(tiny_model_path, tmp_path):
-    from compaction_gym.agents import read_jsonl
+def record_compacted_demos(model, out, task: str) -> int:
+    """``train demos``: 2 noisy episodes of ``task`` through sessions compacted at 256 rows."""
     from compaction_gym.cli import main
-    from compaction_gym.trainers.tree.tree import Tree
 
-    out = tmp_path / "demos"
-    rc = main(
-        ["train", "demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "goto",
+    return main(
+        ["train", "demos", "--model", str(model), "--output-dir", str(out), "--tasks", task,
          "--episodes-per-task", "2", "--batch", "2", "--noise", "0.2", "--max-kv-len", "256",
          "--compact-window", "128", "--threads", "1", "--device", "cpu"]
     )  # fmt: skip
-    assert rc == 0
+
+
+def test_demos_command_writes_trajectories_trees_and_manifest(tiny_model_path, tmp_path):
+    from compaction_gym.agents import read_jsonl
+    from compaction_gym.trainers.tree.tree import Tree
+
+    out = tmp_path / "demos"
+    assert record_compacted_demos(tiny_model_path, out, "goto") == 0
     trajs = read_jsonl(out / "trajectories.jsonl")
     manifest = json.loads((out / "manifest.json").read_text())
     assert [t.seed for t in trajs] == [100000, 100001] and manifest["seeds"]["goto"] == [100000, 100001, 2]
@@ -197,8 +202,6 @@ def test_trees_depend_on_the_tokenizer_not_the_weights(tiny_model_path, tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from compaction_gym.cli import main
-
     other = tmp_path / "other_weights"
     shutil.copytree(tiny_model_path, other)
     model = AutoModelForCausalLM.from_pretrained(other)
@@ -209,11 +212,6 @@ def test_trees_depend_on_the_tokenizer_not_the_weights(tiny_model_path, tmp_path
     trees = {}
     for name, path in (("base", tiny_model_path), ("other", other)):
         out = tmp_path / name
-        rc = main(
-            ["train", "demos", "--model", str(path), "--output-dir", str(out), "--tasks", "open",
-             "--episodes-per-task", "2", "--batch", "2", "--noise", "0.2", "--max-kv-len", "256",
-             "--compact-window", "128", "--threads", "1", "--device", "cpu"]
-        )  # fmt: skip
-        assert rc == 0
+        assert record_compacted_demos(path, out, "open") == 0
         trees[name] = (out / "trees.jsonl").read_text()
     assert trees["base"] == trees["other"] and trees["base"].count("\n") == 2
