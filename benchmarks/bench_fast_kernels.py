@@ -126,11 +126,17 @@ def bench_gemv(args) -> list[list[object]]:
 SWEEP_GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "programs_per_sm": (2, 4, 8), "num_warps": (4, 8)}
 
 
+def fastest(time_one, grid: dict[str, tuple], n: int = 3) -> list[tuple[float, dict]]:
+    """The ``n`` fastest of every combination of ``grid``'s values, as ``(seconds, combination)``."""
+    import itertools
+
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return sorted(((time_one(c), c) for c in combos), key=lambda tc: tc[0])[:n]
+
+
 @torch.no_grad()
 def sweep_gemv(args) -> list[list[object]]:
     """Every :data:`SWEEP_GRID` tiling on the chosen projections; the best three per (shape, M)."""
-    import itertools
-
     from compaction_gym.engine.fast.gemv import gemv, gemv_ref
 
     shapes = projection_shapes()
@@ -138,7 +144,6 @@ def sweep_gemv(args) -> list[list[object]]:
     unknown = [n for n in names if n not in shapes]
     if unknown:
         raise SystemExit(f"--sweep: unknown projections {unknown}; valid: {list(shapes)}")
-    grid = [dict(zip(SWEEP_GRID, v)) for v in itertools.product(*SWEEP_GRID.values())]
     rows = []
     for key in names:
         n, k = shapes[key]
@@ -147,14 +152,14 @@ def sweep_gemv(args) -> list[list[object]]:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_time(lambda i, x=x, w=ws: torch.nn.functional.linear(x, w[i % len(w)]), repeats=args.repeats)
-            timed = []
-            for c in grid:
+
+            def time(c: dict, x=x, ws=ws, key=key, m=m) -> float:
                 if rel(gemv(x, ws[0], **c), gemv_ref(x, ws[0])) > 1e-2:
                     raise AssertionError(f"{key} M={m} {c}: GEMV disagrees with the reference")
-                t = graph_time(lambda i, x=x, c=c, w=ws: gemv(x, w[i % len(w)], **c), repeats=args.repeats)
-                timed.append((t, c))
-            default = graph_time(lambda i, x=x, w=ws: gemv(x, w[i % len(w)]), repeats=args.repeats)
-            for rank, (t, c) in enumerate(sorted(timed, key=lambda tc: tc[0])[:3]):
+                return graph_time(lambda i: gemv(x, ws[i % len(ws)], **c), repeats=args.repeats)
+
+            default = time({})
+            for rank, (t, c) in enumerate(fastest(time, SWEEP_GRID)):
                 rows.append([
                     key, m, f"{n}×{k}", rank + 1, " ".join(f"{a}={b}" for a, b in c.items()), t * 1e6,
                     default * 1e6, cublas * 1e6, cublas / t, n * k * 2 / t / 1e9,
@@ -178,8 +183,6 @@ ATTENTION_GRID = {
 def attention_case(name: str, batch: int, kv: int, args, bw: float) -> list[list[object]]:
     """Every :data:`ATTENTION_GRID` launch of ``decode_attention`` on one (model, batch, KV): the
     runner's choice and the best three, as × the floor (KV bytes ÷ the copy bandwidth ``bw``)."""
-    import itertools
-
     from compaction_gym.engine.fast.attention import decode_attention, decode_attention_sdpa, num_splits_for
 
     sh = QWEN3_SHAPES[name]
@@ -197,44 +200,29 @@ def attention_case(name: str, batch: int, kv: int, args, bw: float) -> list[list
     ref = decode_attention_sdpa(q, k[:, 0], v[:, 0], beta[:, 0], slots, lens, d**-0.5)
     floor = per_layer / bw
 
+    def splits(c: dict) -> int:
+        return max(1, int(base * c["split_factor"]))
+
     def time(c: dict) -> float:
-        splits = max(1, int(base * c["split_factor"]))
-        kw = dict(
-            block_n=c["block_n"],
-            num_warps=c["num_warps"],
-            num_stages=c["num_stages"],
-            fused_merge=splits == 1,
-        )
+        kw = dict(block_n=c["block_n"], num_warps=c["num_warps"], num_stages=c["num_stages"])
 
         def call(i: int) -> torch.Tensor:
             j = i % layers
-            return decode_attention(q, k[:, j], v[:, j], beta[:, j], slots, lens, d**-0.5, splits, **kw)
+            return decode_attention(
+                q, k[:, j], v[:, j], beta[:, j], slots, lens, d**-0.5, splits(c), fused_merge=splits(c) == 1, **kw
+            )
 
         if rel(call(0), ref) > 2e-2:
             raise AssertionError(f"{name} b{batch} kv{kv} {c}: attention disagrees with SDPA")
         return graph_time(call, repeats=args.repeats)
 
     default = time({"split_factor": 1, "block_n": 64, "num_warps": 4, "num_stages": 2})
-    grid = [dict(zip(ATTENTION_GRID, values)) for values in itertools.product(*ATTENTION_GRID.values())]
     rows = []
-    for rank, (t, c) in enumerate(sorted(((time(c), c) for c in grid), key=lambda tc: tc[0])[:3]):
-        launch = f"splits={max(1, int(base * c['split_factor']))} " + " ".join(
-            f"{a}={b}" for a, b in c.items() if a != "split_factor"
-        )
-        rows.append(
-            [
-                name,
-                batch,
-                kv,
-                rank + 1,
-                launch,
-                t * 1e6,
-                t / floor,
-                default * 1e6,
-                default / floor,
-                per_layer / t / 1e9,
-            ]
-        )
+    for rank, (t, c) in enumerate(fastest(time, ATTENTION_GRID)):
+        launch = " ".join([f"splits={splits(c)}"] + [f"{a}={b}" for a, b in c.items() if a != "split_factor"])
+        rows.append([
+            name, batch, kv, rank + 1, launch, t * 1e6, t / floor, default * 1e6, default / floor, per_layer / t / 1e9,
+        ])  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
