@@ -10,12 +10,15 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
 * **HF generate**: the same model with SDPA attention and its default dynamic cache, greedy,
   ``min_new_tokens = max_new_tokens``; decode time = generate(N + 1) − generate(1) on the same
   prompt, so prefill is excluded from both sides.
-* batches of ≤ 16 rows run their projections as fused Triton GEMVs; ``--compare-gemv`` also times
-  them with cuBLAS (``FastDecoder.use_gemv = False``) in the same run.
+* batches of ≤ 32 rows (``GEMV_MAX_M``) run each projection on the Triton GEMV where the tuner
+  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only (``FastDecoder.use_gemv = False``) in the same run.
 * fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
   where the tuner finds it faster, single-launch decode attention where a graph uses one split),
   ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions``
   also times every batch with them off in the same run ("unfused" column).
+* ``--profile``: also prints, per batch, where a captured step's GPU time goes (torch profiler
+  over one timed run: kernels grouped by name, launches and µs per step, share of the step, and
+  how busy the GPU was between the first kernel's start and the last one's end).
 
 Usage:
     python benchmarks/bench_decode.py                          # both shapes, batch 1/8/32/64, KV 1k/8k
@@ -28,6 +31,7 @@ import argparse
 import gc
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 from gpu_shapes import QWEN3_SHAPES, copy_bandwidth, device_line, print_table, random_model, wall_time
@@ -44,10 +48,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-steps", type=int, default=32)
     p.add_argument("--memory-fraction", type=float, default=0.9, help="share of free GPU memory the cache may take")
     p.add_argument(
-        "--compare-gemv", action="store_true", help="also time batches ≤ 16 with cuBLAS projections instead of the GEMVs"
+        "--compare-gemv", action="store_true", help="also time batches ≤ 32 with cuBLAS projections instead of the GEMVs"
     )
     p.add_argument("--fusions", choices=("default", "all", "off"), default="default", help="decoder fusions")
     p.add_argument("--compare-fusions", action="store_true", help="also time every batch without fusions")
+    p.add_argument("--profile", action="store_true", help="also print each batch's per-kernel time breakdown")
     return p
 
 
@@ -82,8 +87,8 @@ def hf_decode_tok_s(model, batch: int, kv: int, steps: int) -> float:
     return batch * steps / max(tn - t1, 1e-9)
 
 
-def time_generate(runner, batch: int, kv: int, steps: int, repeats: int) -> float:
-    """Seconds per greedy decode step of ``batch`` rows at KV length ``kv`` (median of ``repeats``)."""
+def decode_run(runner, batch: int, kv: int, steps: int) -> Callable[[], None]:
+    """A function that decodes ``steps`` greedy tokens for ``batch`` rows from KV length ``kv``."""
     from compaction_gym.engine.config import SamplingParams
 
     slots = list(range(batch))
@@ -94,12 +99,52 @@ def time_generate(runner, batch: int, kv: int, steps: int, repeats: int) -> floa
             runner.cache.lengths[s] = kv
         runner.generate(slots, [11] * batch, [kv] * batch, greedy, steps)
 
+    return run
+
+
+def time_generate(runner, batch: int, kv: int, steps: int, repeats: int) -> float:
+    """Seconds per greedy decode step of ``batch`` rows at KV length ``kv`` (median of ``repeats``)."""
+    run = decode_run(runner, batch, kv, steps)
     run()  # captures the graph
     return statistics.median(wall_time(run) for _ in range(repeats)) / steps
 
 
+def kernel_profile(run: Callable[[], None], steps: int, title: str) -> None:
+    """Print where the GPU time of ``run`` (``steps`` decode steps, graph already captured) goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not spans:
+        print(f"{title}: the profiler saw no kernels", flush=True)
+        return
+    per_name: dict[str, list[float]] = {}
+    busy, reach = 0.0, spans[0][0]
+    for start, end, name in spans:
+        per_name.setdefault(name[:60], []).append(end - start)
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    total = sum(sum(t) for t in per_name.values())
+    rows = [
+        [name, len(t) / steps, sum(t) / steps, statistics.median(t), sum(t) / total]
+        for name, t in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    ]
+    rows.append(["all kernels", sum(len(t) for t in per_name.values()) / steps, total / steps, "", 1.0])
+    span = spans[-1][1] - spans[0][0]
+    print_table(
+        ["kernel", "launches/step", "µs/step", "median µs", "share"],
+        rows,
+        title=f"{title}: GPU busy {busy / span:.1%} of {span / steps:.1f} µs/step",
+    )
+
+
 @torch.no_grad()
 def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
+    from compaction_gym.engine.fast.gemv import GEMV_MAX_M
     from compaction_gym.engine.fast.runner import FastModelRunner
     from compaction_gym.engine.model_runner import ModelLayout
     from compaction_gym.engine.slot_cache import SlotKVCache
@@ -135,7 +180,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         for b in batches:
             step = time_generate(runner, b, kv, args.steps, args.repeats)
             cublas = ""
-            if args.compare_gemv and b <= 16:
+            if args.compare_gemv and b <= GEMV_MAX_M:
                 for use in (False, True):  # recapture without, then again with the GEMVs
                     runner.decoder.use_gemv = use
                     runner._graphs.clear()
@@ -156,6 +201,8 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                 hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
             ])  # fmt: skip
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
+            if args.profile:
+                kernel_profile(decode_run(runner, b, kv, args.steps), args.steps, f"[{name}] batch {b} kv {kv}")
         chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v}
         print(f"[{name}] GEMV instead of cuBLAS for (shape, rows, bias, act): {chosen}", flush=True)
         del runner, cache

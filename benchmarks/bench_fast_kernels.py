@@ -2,7 +2,7 @@
 
 * **GEMV** — :func:`compaction_gym.engine.fast.gemv.gemv` (its tilings ``GEMV_CANDIDATES``) vs
   ``torch.nn.functional.linear`` (cuBLAS) on the projections of the real Qwen3-0.6B / Qwen3-4B
-  shapes (bf16, random data) at ``M`` = 1, 8, 16 rows. Times are CUDA-graph replays of 32
+  shapes (bf16, random data) at ``M`` = 1, 8, 16, 32 rows. Times are CUDA-graph replays of 32
   launches (several weight copies in rotation, so weights come from HBM), median of
   ``--repeats``. ``GB/s`` counts the weight bytes only (the faster of the two). Each case is
   checked against the torch reference first.
@@ -33,7 +33,7 @@ from gpu_shapes import QWEN3_SHAPES, device_line, print_table
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--skip", nargs="*", default=[], choices=["gemv", "nnls", "cholesky"])
     p.add_argument(
         "--sweep", nargs="*", default=None, metavar="MODEL/PROJECTION",

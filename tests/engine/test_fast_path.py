@@ -77,7 +77,9 @@ def test_gemv_matches_torch(dtype):
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=CUDA).to(dtype)
 
-    for m, n, k, split, bn in [(1, 1000, 1024, None, None), (5, 300, 700, 3, 16), (16, 2048, 512, None, 64), (8, 50, 3000, None, None)]:
+    cases = [(1, 1000, 1024, None, None), (5, 300, 700, 3, 16), (16, 2048, 512, None, 64), (8, 50, 3000, None, None)]
+    cases += [(32, 1024, 2048, None, None), (17, 300, 700, 3, 64), (24, 96, 3000, None, 32)]  # the 32-row tile
+    for m, n, k, split, bn in cases:
         x, w, b, nw = rnd(m, k), rnd(n, k) * k**-0.5, rnd(n), (torch.rand(k, generator=g, device=CUDA) + 0.5).to(dtype)
         r, gu = rnd(m, k), rnd(m, 2 * k)
         tiling = dict(split=split, block_n=bn)
@@ -198,7 +200,7 @@ def test_fused_gate_up_real_shapes(shape):
     n, k = shape
     g = torch.Generator(device="cuda").manual_seed(n)
     w = (torch.randn(n, k, generator=g, device=CUDA) * k**-0.5).to(torch.bfloat16)
-    for m in (1, 8, 16):
+    for m in (1, 8, 16, 32):
         x = torch.randn(m, k, generator=g, device=CUDA).to(torch.bfloat16)
         ref = K.silu_mul(torch.nn.functional.linear(x, w))
         for tiling in GEMV_CANDIDATES:

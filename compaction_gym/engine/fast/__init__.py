@@ -3,7 +3,7 @@
 * :mod:`~compaction_gym.engine.fast.model` — :class:`FastDecoder`: the HF model's own weights
   (q/k/v and gate/up packed in place), one fused kernel per normalisation / rotary / activation;
 * :mod:`~compaction_gym.engine.fast.kernels` — those Triton kernels and their torch references;
-* :mod:`~compaction_gym.engine.fast.gemv` — the split-K GEMV for decode batches of ≤ 16 rows (used
+* :mod:`~compaction_gym.engine.fast.gemv` — the split-K GEMV for decode batches of ≤ 32 rows (used
   per projection where it measured faster than cuBLAS);
 * :mod:`~compaction_gym.engine.fast.attention` — split-K flash-decode and varlen prefill
   attention over the slot cache with per-key β, plus fallbacks and a float64 reference;

@@ -1,9 +1,9 @@
-"""Skinny matrix products ``y = f(x) Wᵀ`` for decode batches of at most 16 rows (Triton).
+"""Skinny matrix products ``y = f(x) Wᵀ`` for decode batches of at most 32 rows (Triton).
 
-At batch 1–16 a decode step's projections are memory-bound matrix-vector products: the weight
+At batch 1–32 a decode step's projections are memory-bound matrix-vector products: the weight
 ``W [N, K]`` is read once and the arithmetic is negligible. :func:`gemv` streams ``W`` in tiles
 of ``BLOCK_N × BLOCK_K`` (16-byte loads along ``K``), multiplies them with the rows of ``x``
-padded to 16 on the tensor cores (float32 accumulation) and, when ``N`` alone gives too few
+padded to 16 (or 32) on the tensor cores (float32 accumulation) and, when ``N`` alone gives too few
 programs to fill the GPU, splits ``K``: each split writes a float32 partial, and the last split
 program to finish a tile (an atomic counter per tile, reset by that program, so the launch is
 CUDA-graph replayable) sums the partials in a fixed order and stores the output — no second
@@ -42,8 +42,8 @@ from compaction_gym.engine.fast.kernels import (
     silu_mul_ref,
 )
 
-#: Largest number of rows :func:`gemv` takes (the tensor-core tile height).
-GEMV_MAX_M = 16
+#: Largest number of rows :func:`gemv` takes (its tallest tensor-core tile; ≤ 16 rows use a 16-row tile).
+GEMV_MAX_M = 32
 #: Tilings the fast decoder times against cuBLAS for each projection shape (``{}``: the defaults).
 GEMV_CANDIDATES: tuple[dict, ...] = ({}, {"block_k": 256}, {"block_n": 64}, {"block_n": 64, "block_k": 256})
 
@@ -169,7 +169,7 @@ _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, n: int, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 partials ``[split, 16, n]`` (shared by launches of one shape) and zeroed tile counters
+    """Float32 partials ``[split, GEMV_MAX_M, n]`` (shared by launches of one shape) and zeroed tile counters
     (:func:`~compaction_gym.engine.fast.kernels.launch_counters`). Created on first use, outside
     graph capture: the runner's warm-up steps run first."""
     key = (device, n, split)
@@ -221,7 +221,7 @@ def gemv(
     sm_count: int | None = None, block_n: int | None = None, block_k: int | None = None, split: int | None = None,
     programs_per_sm: int = 2, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``f(x) Wᵀ (+ bias)`` for ``x [M ≤ 16, K]`` (``[M, 2K]`` with ``silu``), ``W [N, K]`` → ``[M, N]``
+    """``f(x) Wᵀ (+ bias)`` for ``x [M ≤ 32, K]`` (``[M, 2K]`` with ``silu``), ``W [N, K]`` → ``[M, N]``
     (``[M, N / 2]`` with ``act``).
 
     Args:
@@ -247,6 +247,7 @@ def gemv(
             silu=silu, act=act,
         )  # fmt: skip
     m = x.shape[0]
+    block_m = 16 if m <= 16 else GEMV_MAX_M
     n, k = weight.shape
     assert x.shape[1] == (2 * k if silu else k), (tuple(x.shape), tuple(weight.shape), silu)
     assert residual is None or norm_weight is not None
@@ -273,9 +274,9 @@ def gemv(
         x, r, ro, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, ws, cnt,
         m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm_weight is not None, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, SILU=silu,
-        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=GEMV_MAX_M, BLOCK_N=bn,
+        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=block_m, BLOCK_N=bn,
         BLOCK_K=bk, num_warps=num_warps,
-        num_stages=num_stages or max(2, min(4, (160 << 10) // ((bn + GEMV_MAX_M) * bk * x.element_size()))),
+        num_stages=num_stages or max(2, min(4, (160 << 10) // ((bn + block_m) * bk * x.element_size()))),
         **pdl_kwargs(x),
     )  # fmt: skip
     return y

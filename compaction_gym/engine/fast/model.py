@@ -137,7 +137,7 @@ class FastDecoder:
         self.lm_head = model.lm_head.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        #: let captured decode graphs of ≤ 16 rows use the split-K GEMV where it beats cuBLAS
+        #: let captured decode graphs of ≤ 32 rows (GEMV_MAX_M) use the split-K GEMV where it beats cuBLAS
         self.use_gemv = True
         fusions = os.environ.get("COMPACTION_GYM_FUSIONS", "1") != "0"
         #: decode attention in one launch (the last split program merges; read by the runner):
@@ -145,7 +145,7 @@ class FastDecoder:
         #: runner uses one split — with several, the last program's serial merge (release fence,
         #: atomic, dependent L2 reads) measured slower on an H200 than a graph-launched merge kernel
         self.fuse_attention: bool | None = None if fusions else False
-        #: in captured graphs of ≤ 16 rows, gate/up GEMV with the SiLU·mul in its epilogue, where
+        #: in captured graphs of ≤ 32 rows, gate/up GEMV with the SiLU·mul in its epilogue, where
         #: it measured faster than the projection and ``silu_mul`` run separately
         self.fuse_mlp = fusions
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
@@ -266,7 +266,7 @@ class FastDecoder:
         """``x Wᵀ + b``: cuBLAS, or in captured graphs the split-K GEMV where it measured faster.
 
         While :attr:`graph_mode` is set (the runner's warm-up and capture of a decode graph), a
-        projection of ≤ 16 rows is first timed both ways (:meth:`_tune`, outside capture) and the
+        projection of ≤ 32 rows is first timed both ways (:meth:`_tune`, outside capture) and the
         captured graph then holds the faster one. Eagerly run batches always use cuBLAS: a Triton
         launch costs more host time than the product itself at these sizes.
         """
@@ -276,7 +276,7 @@ class FastDecoder:
         return torch.nn.functional.linear(x, weight, bias)
 
     def _gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(x Gᵀ) · (x Uᵀ)`` for ``gate_up = [G; U]``: in captured graphs of ≤ 16 rows the GEMV
+        """``silu(x Gᵀ) · (x Uᵀ)`` for ``gate_up = [G; U]``: in captured graphs of ≤ 32 rows the GEMV
         with the SiLU·mul epilogue (one launch) where it measured faster, else projection + :func:`silu_mul`."""
         if self.fuse_mlp:
             tiling = self._gemv_tiling(x, gate_up, None, "silu_mul")
