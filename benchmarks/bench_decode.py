@@ -11,11 +11,14 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   ``min_new_tokens = max_new_tokens``; decode time = generate(N + 1) − generate(1) on the same
   prompt, so prefill is excluded from both sides.
 * batches of ≤ 32 rows (``GEMV_MAX_M``) run each projection on the Triton GEMV where the tuner
-  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only (``FastDecoder.use_gemv = False``) in the same run.
+  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only
+  (``FastDecoder.use_gemv = False``) in the same run.
 * fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
-  where the tuner finds it faster, single-launch decode attention where a graph uses one split),
-  ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions``
-  also times every batch with them off in the same run ("unfused" column).
+  and add + RMSNorm folded into the products around it where the tuner finds them faster,
+  single-launch decode attention where a graph uses one split), ``no-fold`` (the defaults without
+  the folded norms), ``all`` (single-launch attention at every split count too) or ``off``;
+  ``--compare-fusions [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the
+  same run.
 * ``--profile``: also prints, per batch, where a captured step's GPU time goes (torch profiler
   over one timed run: kernels grouped by name, launches and µs per step, share of the step, and
   how busy the GPU was between the first kernel's start and the last one's end).
@@ -50,17 +53,23 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-gemv", action="store_true", help="also time batches ≤ 32 with cuBLAS projections instead of the GEMVs"
     )
-    p.add_argument("--fusions", choices=("default", "all", "off"), default="default", help="decoder fusions")
-    p.add_argument("--compare-fusions", action="store_true", help="also time every batch without fusions")
+    p.add_argument(
+        "--fusions", choices=("default", "no-fold", "all", "off"), default="default", help="decoder fusions"
+    )
+    p.add_argument(
+        "--compare-fusions", nargs="?", const="off", choices=("default", "no-fold", "all", "off"),
+        help="also time every batch with these fusions (default: off) in the same run",
+    )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="also print each batch's per-kernel time breakdown")
     return p
 
 
 def set_fusions(runner, mode: str) -> None:
-    """Set the decoder's fusions (``default``, ``all``, ``off``); the next step recaptures its graphs."""
+    """Set the decoder's fusions (``default``, ``no-fold``, ``all``, ``off``); the next step recaptures its graphs."""
     dec = runner.decoder
-    dec.fuse_attention = {"default": None, "all": True, "off": False}[mode]
+    dec.fuse_attention = {"default": None, "no-fold": None, "all": True, "off": False}[mode]
     dec.fuse_mlp = mode != "off"
+    dec.fuse_norm = mode not in ("off", "no-fold")
     runner._graphs.clear()
     runner._pool = None
 
@@ -188,8 +197,8 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                     if not use:
                         cublas = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
             unfused = ""
-            if args.compare_fusions and args.fusions != "off":
-                set_fusions(runner, "off")
+            if args.compare_fusions and args.compare_fusions != args.fusions:
+                set_fusions(runner, args.compare_fusions)
                 unfused = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
                 set_fusions(runner, args.fusions)
             kv_read = b * (kv + args.steps / 2) * kv_bytes_per_token(layout)
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     headers = [
         "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
-        "cuBLAS ms/step", "unfused ms/step",
+        "cuBLAS ms/step", f"fusions {args.compare_fusions} ms/step",
     ]  # fmt: skip
     print_table(
         headers,
