@@ -14,9 +14,11 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only
   (``FastDecoder.use_gemv = False``) in the same run.
 * fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
-  and add + RMSNorm folded into the products around it where the tuner finds them faster,
-  single-launch decode attention where a graph uses one split), ``no-fold`` (the defaults without
-  the folded norms), ``all`` (single-launch attention at every split count too) or ``off``;
+  where the tuner finds it faster, single-launch decode attention where a graph uses one split,
+  and — only without programmatic dependent launch — add + RMSNorm folded into the products
+  around it where the tuner finds that faster), ``fold`` / ``no-fold`` (the defaults with the
+  folded norms as candidates / without), ``all`` (every fusion, single-launch attention at every
+  split count) or ``off``;
   ``--compare-fusions [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the
   same run.
 * ``--profile``: also prints, per batch, where a captured step's GPU time goes (torch profiler
@@ -39,6 +41,9 @@ from collections.abc import Callable
 import torch
 from gpu_shapes import QWEN3_SHAPES, copy_bandwidth, device_line, print_table, random_model, wall_time
 
+#: ``--fusions`` modes (see the module docstring).
+FUSION_MODES = ("default", "fold", "no-fold", "all", "off")
+
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,10 +59,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--compare-gemv", action="store_true", help="also time batches ≤ 32 with cuBLAS projections instead of the GEMVs"
     )
     p.add_argument(
-        "--fusions", choices=("default", "no-fold", "all", "off"), default="default", help="decoder fusions"
+        "--fusions", choices=FUSION_MODES, default="default", help="decoder fusions"
     )
     p.add_argument(
-        "--compare-fusions", nargs="?", const="off", choices=("default", "no-fold", "all", "off"),
+        "--compare-fusions", nargs="?", const="off", choices=FUSION_MODES,
         help="also time every batch with these fusions (default: off) in the same run",
     )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="also print each batch's per-kernel time breakdown")
@@ -65,11 +70,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def set_fusions(runner, mode: str) -> None:
-    """Set the decoder's fusions (``default``, ``no-fold``, ``all``, ``off``); the next step recaptures its graphs."""
+    """Set the decoder's fusions (one of :data:`FUSION_MODES`); the next step recaptures its graphs."""
+    from compaction_gym.engine.fast.kernels import pdl_enabled
+
     dec = runner.decoder
-    dec.fuse_attention = {"default": None, "no-fold": None, "all": True, "off": False}[mode]
+    dec.fuse_attention = True if mode == "all" else False if mode == "off" else None
     dec.fuse_mlp = mode != "off"
-    dec.fuse_norm = mode not in ("off", "no-fold")
+    dec.fuse_norm = mode in ("fold", "all") or (mode == "default" and not pdl_enabled(dec.embed))
     runner._graphs.clear()
     runner._pool = None
 
@@ -212,8 +219,15 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
             if args.profile:
                 kernel_profile(decode_run(runner, b, kv, args.steps), args.steps, f"[{name}] batch {b} kv {kv}")
-        chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v}
+        chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v and k[0] != "fold"}
         print(f"[{name}] GEMV instead of cuBLAS for (shape, rows, bias, act): {chosen}", flush=True)
+        for k, (unfolded, folded) in runner.decoder.fold_timings.items():
+            choice = runner.decoder._gemv_choice[k]
+            print(
+                f"[{name}] add + RMSNorm between {k[1]} and {k[2]} at {k[3]} rows: {unfolded * 1e6:.1f} µs unfolded, "
+                f"{folded * 1e6:.1f} µs folded -> {'fold ' + str(choice[1:]) if choice else 'unfolded'}",
+                flush=True,
+            )
         del runner, cache
         gc.collect()
         torch.cuda.empty_cache()

@@ -40,6 +40,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="instead: time a grid of GEMV tilings (block sizes, programs per SM, warps) on these "
         "projections (e.g. qwen3-4b/o; none given: every projection) and print the best per shape",
     )  # fmt: skip
+    p.add_argument(
+        "--grid", nargs="*", default=None, metavar="PARAM=V1,V2",
+        help="with --sweep: the tilings to time instead of SWEEP_GRID (e.g. block_n=16,32 split=1 num_stages=3,4)",
+    )  # fmt: skip
     p.add_argument("--attention", action="store_true", help="instead: sweep decode-attention launches")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="with --attention")
     p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192], help="with --attention")
@@ -126,6 +130,17 @@ def bench_gemv(args) -> list[list[object]]:
 SWEEP_GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "programs_per_sm": (2, 4, 8), "num_warps": (4, 8)}
 
 
+def parse_grid(items: list[str]) -> dict[str, tuple]:
+    """``["block_n=16,32", "split=1"]`` → ``{"block_n": (16, 32), "split": (1,)}`` (``none``: the default)."""
+    grid = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if not values:
+            raise SystemExit(f"--grid: {item!r} is not PARAM=V1,V2")
+        grid[name] = tuple(None if v.lower() == "none" else int(v) for v in values.split(","))
+    return grid
+
+
 def fastest(time_one, grid: dict[str, tuple], n: int = 3) -> list[tuple[float, dict]]:
     """The ``n`` fastest of every combination of ``grid``'s values, as ``(seconds, combination)``."""
     import itertools
@@ -159,7 +174,7 @@ def sweep_gemv(args) -> list[list[object]]:
                 return graph_time(lambda i: gemv(x, ws[i % len(ws)], **c), repeats=args.repeats)
 
             default = time({})
-            for rank, (t, c) in enumerate(fastest(time, SWEEP_GRID)):
+            for rank, (t, c) in enumerate(fastest(time, parse_grid(args.grid) if args.grid else SWEEP_GRID)):
                 rows.append([
                     key, m, f"{n}×{k}", rank + 1, " ".join(f"{a}={b}" for a, b in c.items()), t * 1e6,
                     default * 1e6, cublas * 1e6, cublas / t, n * k * 2 / t / 1e9,

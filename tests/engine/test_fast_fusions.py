@@ -241,7 +241,7 @@ def test_decoder_all_fusions_equals_generic_runner(runners, monkeypatch):
     monkeypatch.setattr(M, "gemv", spy_gemv)
     monkeypatch.setattr(M, "rms_norm", spy_norm)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # look choices up
-    dec.graph_mode, dec._gemv_choice, dec.sm_count = True, _EveryGemv(), SMS
+    dec.graph_mode, dec._gemv_choice, dec.sm_count, dec.fuse_norm = True, _EveryGemv(), SMS, True
     out, _ = fast.generate([1, 3], first, [20, 12], [SamplingParams(temperature=0.0)] * 2, 5)
     assert out == toks
     layers = dec.n_layers

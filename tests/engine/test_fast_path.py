@@ -333,9 +333,9 @@ def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
     fast.cache.lengths[:] = saved[2]
     fast._graphs.clear()
     fast._pool = None
-    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = True
+    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = dec.fuse_norm = True
     dec._tune = lambda x, w, b, act=None: ("gemv", {})  # every projection of the graph on the GEMV
-    dec._tune_fold = lambda *args: ("fold", {}, {"block_k": 256})  # and every norm after layer 0's folded
+    dec._tune_fold = lambda *args: (("fold", {}, {"block_k": 256}), 1.0, 0.5)  # and every norm after layer 0's folded
     toks, lps = fast.generate(list(prompts), first, starts, greedy, 20)
     assert dec._gemv_choice and all(dec._gemv_choice.values())
     assert any(key[-1] == "silu_mul" for key in dec._gemv_choice)  # gate/up took the fused epilogue

@@ -107,15 +107,17 @@ if HAS_TRITON:
         for s0 in range(start, end, BLOCK_N):
             rows = s0 + offs_n
             rmask = rows < end
+            # K, β and V issued together: with one block per program (short splits) V's load would
+            # otherwise wait for the softmax, one more memory round trip on the critical path
             k = tl.load(k_base + rows[None, :] * stride_kr + offs_d[:, None], mask=rmask[None, :], other=0.0)
-            qk = mma(q, k, IEEE)
             beta = tl.load(b_base + rows, mask=rmask, other=0.0)
+            v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=rmask[:, None], other=0.0)
+            qk = mma(q, k, IEEE)
             qk = qk * scale_log2 + beta[None, :] * 1.4426950408889634
             qk = tl.where(rmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=rmask[:, None], other=0.0)
             pv = mma(p.to(v.dtype), v, IEEE)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)

@@ -45,7 +45,10 @@ from compaction_gym.engine.fast.kernels import (
 #: Largest number of rows :func:`gemv` takes (its tallest tensor-core tile; ≤ 16 rows use a 16-row tile).
 GEMV_MAX_M = 32
 #: Tilings the fast decoder times against cuBLAS for each projection shape (``{}``: the defaults).
-GEMV_CANDIDATES: tuple[dict, ...] = ({}, {"block_k": 256}, {"block_n": 64}, {"block_n": 64, "block_k": 256})
+GEMV_CANDIDATES: tuple[dict, ...] = (
+    {}, {"block_k": 256}, {"block_n": 64}, {"block_n": 64, "block_k": 256},
+    {"split": 1, "block_k": 512, "num_stages": 3},  # no split-K: 0.6B q/k/v at M = 1 (docs/benchmarks.md)
+)  # fmt: skip
 
 if HAS_TRITON:
     import triton

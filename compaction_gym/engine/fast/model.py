@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, GEMV_MAX_M, gemv, gemv_supported, gemv_tiles
-from compaction_gym.engine.fast.kernels import qkv_rope_store, rms_norm, silu_mul
+from compaction_gym.engine.fast.kernels import pdl_enabled, qkv_rope_store, rms_norm, silu_mul
 
 #: ``config.model_type`` values the fast decoder runs.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -166,11 +166,15 @@ class FastDecoder:
         #: it measured faster than the projection and ``silu_mul`` run separately
         self.fuse_mlp = fusions
         #: in captured graphs of ≤ 32 rows, fold each add + RMSNorm between two products into them
-        #: (:class:`FoldedNorm`) where the folded pair measured faster than the three launches
-        self.fuse_norm = fusions
+        #: (:class:`FoldedNorm`) where the folded pair measured faster than the three launches. On
+        #: by default only without programmatic dependent launch: with it (Hopper) the norm kernel
+        #: overlaps its neighbours and the folded pair never measured faster (docs/benchmarks.md)
+        self.fuse_norm = fusions and not pdl_enabled(self.embed)
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
         self.graph_mode = False
         self._gemv_choice: dict[tuple, tuple | bool] = {}
+        #: for each folding decision: (seconds unfolded, seconds of the best folded pair) per chain
+        self.fold_timings: dict[tuple, tuple[float, float]] = {}
         self.sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
@@ -356,7 +360,8 @@ class FastDecoder:
                c_bias is not None, act)  # fmt: skip
         if not torch.cuda.is_current_stream_capturing():
             if key not in self._gemv_choice:
-                self._gemv_choice[key] = self._tune_fold(a, weight, bias, residual, consumer)
+                choice, *times = self._tune_fold(a, weight, bias, residual, consumer)
+                self._gemv_choice[key], self.fold_timings[key] = choice, tuple(times)
             return None  # warm-up steps run the unfolded path
         return self._gemv_choice.get(key) or None
 
@@ -426,15 +431,16 @@ class FastDecoder:
     def _tune_fold(
         self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
         consumer: Consumer,
-    ) -> tuple | bool:  # fmt: skip
+    ) -> tuple[tuple | bool, float, float]:  # fmt: skip
         """Time the add + RMSNorm after ``a Wᵀ + b`` folded into the products around it vs unfolded.
 
         Both run as chains in CUDA graphs, the weights rotating through the layers' matrices of
         each shape: unfolded = the producer and ``consumer`` as the tuner chose them (cuBLAS or
         GEMV, :meth:`_tune`) with the add + RMSNorm kernel between them; folded = the producer GEMV
         adding into the residual stream with the row statistics in its epilogue, then the
-        consumer GEMV normalising from them, for every pair of :data:`GEMV_CANDIDATES` tilings.
-        Returns ``("fold", producer tiling, consumer tiling)`` when folding is 3 % faster, else ``False``.
+        consumer GEMV normalising from them, both with each of :data:`GEMV_CANDIDATES`' tilings.
+        Returns ``(("fold", producer tiling, consumer tiling), …)`` when folding is 3 % faster, else
+        ``(False, …)``, followed by the seconds per chain unfolded and folded (best pair).
         """
         from triton.runtime.errors import OutOfResources
 
@@ -448,24 +454,25 @@ class FastDecoder:
             y = rms_norm(self._linear(a, p_mats[i % len(p_mats)], bias), norm_weight, self.eps, res)
             self._consume(y, (c_mats[i % len(c_mats)], c_bias, act))
 
-        best, best_t = False, 0.97 * _graph_time(unfolded, launches)
-        for p_tiling in GEMV_CANDIDATES:
-            stats = self._norm_stats[: gemv_tiles(weight.shape[0], self.sm_count, p_tiling.get("block_n"))]
-            for c_tiling in GEMV_CANDIDATES:
-                norm = FoldedNorm(norm_weight, stats, c_tiling)
+        base = _graph_time(unfolded, launches)
+        best, best_t, best_folded = False, 0.97 * base, float("inf")
+        for tiling in GEMV_CANDIDATES:
+            stats = self._norm_stats[: gemv_tiles(weight.shape[0], self.sm_count, tiling.get("block_n"))]
+            norm = FoldedNorm(norm_weight, stats, tiling)
 
-                def folded(i: int, p_tiling=p_tiling, stats=stats, norm=norm) -> None:
-                    w = p_mats[i % len(p_mats)]
-                    gemv(a, w, bias, add_to=res, norm_stats=stats, sm_count=self.sm_count, **p_tiling)
-                    self._consume(res, (c_mats[i % len(c_mats)], c_bias, act), norm)
+            def folded(i: int, tiling=tiling, stats=stats, norm=norm) -> None:
+                w = p_mats[i % len(p_mats)]
+                gemv(a, w, bias, add_to=res, norm_stats=stats, sm_count=self.sm_count, **tiling)
+                self._consume(res, (c_mats[i % len(c_mats)], c_bias, act), norm)
 
-                try:
-                    t = _graph_time(folded, launches)
-                except OutOfResources:  # a tiling this device cannot hold
-                    continue
-                if t < best_t:
-                    best, best_t = ("fold", dict(p_tiling), dict(c_tiling)), t
-        return best
+            try:
+                t = _graph_time(folded, launches)
+            except OutOfResources:  # a tiling this device cannot hold
+                continue
+            best_folded = min(best_folded, t)
+            if t < best_t:
+                best, best_t = ("fold", dict(tiling), dict(tiling)), t
+        return best, base, best_folded
 
     def _same_shape(self, weight: torch.Tensor) -> list[torch.Tensor]:
         """Up to 32 of the model's matrices shaped like ``weight`` (timings rotate through them: HBM reads)."""
