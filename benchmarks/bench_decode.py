@@ -11,16 +11,11 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   ``min_new_tokens = max_new_tokens``; decode time = generate(N + 1) − generate(1) on the same
   prompt, so prefill is excluded from both sides.
 * batches of ≤ 32 rows (``GEMV_MAX_M``) run each projection on the Triton GEMV where the tuner
-  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only
-  (``FastDecoder.use_gemv = False``) in the same run.
+  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only (``FastDecoder.use_gemv = False``) in the same run.
 * fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
-  where the tuner finds it faster, single-launch decode attention where a graph uses one split,
-  and — only without programmatic dependent launch — add + RMSNorm folded into the products
-  around it where the tuner finds that faster), ``fold`` / ``no-fold`` (the defaults with the
-  folded norms as candidates / without), ``all`` (every fusion, single-launch attention at every
-  split count) or ``off``;
-  ``--compare-fusions [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the
-  same run.
+  where the tuner finds it faster, single-launch decode attention where a graph uses one split),
+  ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions
+  [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the same run.
 * ``--profile``: also prints, per batch, where a captured step's GPU time goes (torch profiler
   over one timed run: kernels grouped by name, launches and µs per step, share of the step, and
   how busy the GPU was between the first kernel's start and the last one's end).
@@ -41,9 +36,6 @@ from collections.abc import Callable
 import torch
 from gpu_shapes import QWEN3_SHAPES, copy_bandwidth, device_line, print_table, random_model, wall_time
 
-#: ``--fusions`` modes (see the module docstring).
-FUSION_MODES = ("default", "fold", "no-fold", "all", "off")
-
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,11 +50,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-gemv", action="store_true", help="also time batches ≤ 32 with cuBLAS projections instead of the GEMVs"
     )
+    p.add_argument("--fusions", choices=("default", "all", "off"), default="default", help="decoder fusions")
     p.add_argument(
-        "--fusions", choices=FUSION_MODES, default="default", help="decoder fusions"
-    )
-    p.add_argument(
-        "--compare-fusions", nargs="?", const="off", choices=FUSION_MODES,
+        "--compare-fusions", nargs="?", const="off", choices=("default", "all", "off"),
         help="also time every batch with these fusions (default: off) in the same run",
     )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="also print each batch's per-kernel time breakdown")
@@ -70,13 +60,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def set_fusions(runner, mode: str) -> None:
-    """Set the decoder's fusions (one of :data:`FUSION_MODES`); the next step recaptures its graphs."""
-    from compaction_gym.engine.fast.kernels import pdl_enabled
-
+    """Set the decoder's fusions (``default``, ``all``, ``off``); the next step recaptures its graphs."""
     dec = runner.decoder
-    dec.fuse_attention = True if mode == "all" else False if mode == "off" else None
+    dec.fuse_attention = {"default": None, "all": True, "off": False}[mode]
     dec.fuse_mlp = mode != "off"
-    dec.fuse_norm = mode in ("fold", "all") or (mode == "default" and not pdl_enabled(dec.embed))
     runner._graphs.clear()
     runner._pool = None
 
@@ -219,15 +206,8 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
             if args.profile:
                 kernel_profile(decode_run(runner, b, kv, args.steps), args.steps, f"[{name}] batch {b} kv {kv}")
-        chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v and k[0] != "fold"}
+        chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v}
         print(f"[{name}] GEMV instead of cuBLAS for (shape, rows, bias, act): {chosen}", flush=True)
-        for k, (unfolded, folded) in runner.decoder.fold_timings.items():
-            choice = runner.decoder._gemv_choice[k]
-            print(
-                f"[{name}] add + RMSNorm between {k[1]} and {k[2]} at {k[3]} rows: {unfolded * 1e6:.1f} µs unfolded, "
-                f"{folded * 1e6:.1f} µs folded -> {'fold ' + str(choice[1:]) if choice else 'unfolded'}",
-                flush=True,
-            )
         del runner, cache
         gc.collect()
         torch.cuda.empty_cache()

@@ -4,10 +4,7 @@
   ``decode_attention_ref`` and the two-kernel path;
 * the gate/up GEMV with the SiLU·mul epilogue vs ``silu_mul_ref(linear(x, gate_up))`` and vs the
   plain GEMV followed by ``silu_mul``;
-* an add + RMSNorm folded into the two products around it (the producer adds into the residual
-  stream and leaves row statistics, the consumer normalises from them) vs linear, add + RMSNorm,
-  linear;
-* the fast decoder with every projection on the GEMV and every fusion on vs the generic runner.
+* the fast decoder with every projection on the GEMV and both fusions on vs the generic runner.
 
 They run the Triton kernels: under ``TRITON_INTERPRET=1`` on CPU (small shapes), or on a CUDA
 device when one is present; without Triton, or on CPU without the interpreter, they skip. The
@@ -31,8 +28,7 @@ else:
     pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
 
 from compaction_gym.engine.fast import attention as A  # noqa: E402
-from compaction_gym.engine.fast import kernels as K  # noqa: E402
-from compaction_gym.engine.fast.gemv import gemv, gemv_ref, gemv_tiles  # noqa: E402
+from compaction_gym.engine.fast.gemv import gemv, gemv_ref  # noqa: E402
 
 HALF = torch.float16 if DEV.type == "cpu" else torch.bfloat16
 SMS = 8  # multiprocessor count handed to the GEMV's split-K choice (any value is valid)
@@ -135,42 +131,6 @@ def test_gemv_silu_mul_epilogue(m, dtype):
     )
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_folded_norm_between_two_products(m, dtype):
-    """A producer GEMV adding into the residual stream (``add_to``, with the rows' ``Σ h²`` per tile)
-    then a consumer GEMV normalising from those statistics = linear, add + RMSNorm, linear."""
-    g = torch.Generator().manual_seed(m)
-    k, hidden, inter = 96, 80, 36  # 80 columns: the last producer tile is partial for block_n 32
-    a = torch.randn(m, k, generator=g).to(dtype).to(DEV)
-    w_out = (torch.randn(hidden, k, generator=g) * k**-0.5).to(dtype).to(DEV)
-    w_in = (torch.randn(2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype).to(DEV)
-    norm_weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(DEV)
-    res0 = torch.randn(m, hidden, generator=g).to(dtype).to(DEV)
-    res_ref = res0.clone()
-    y_ref = K.rms_norm_ref(torch.nn.functional.linear(a, w_out), norm_weight, 1e-6, res_ref)
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    for bn in (16, 32):
-        for split in (1, 2):
-            tiling = dict(block_n=bn, split=split, block_k=32, sm_count=SMS)
-            res = res0.clone()
-            stats = torch.full((gemv_tiles(hidden, SMS, bn), 32), float("nan"), device=DEV)
-            assert gemv(a, w_out, add_to=res, norm_stats=stats, **tiling) is res
-            assert torch.equal(res, res0 + gemv(a, w_out, **tiling))  # the product rounded, then added
-            assert rel(res, res_ref) < tol
-            assert not stats[:, :m].isnan().any()  # every tile wrote every row
-            assert rel(stats[:, :m].sum(0), res.double().pow(2).sum(-1)) < 1e-6
-            for act in (None, "silu_mul"):
-                out = gemv(res, w_in, act=act, norm_weight=norm_weight, norm_stats=stats, **tiling)
-                ref = torch.nn.functional.linear(y_ref, w_in)
-                assert rel(out, silu_mul_ref(ref) if act else ref) < tol, (bn, split, act)
-                ref_path = gemv_ref(res, w_in, act=act, norm_weight=norm_weight, norm_stats=stats)
-                assert rel(out, ref_path) < tol
-    res, stats = res0.clone(), torch.full((3, 32), float("nan"), device=DEV)  # the reference's add_to
-    assert gemv_ref(a, w_out, add_to=res, norm_stats=stats) is res and torch.equal(res, res_ref)
-    assert rel(stats[:, :m].sum(0), res.double().pow(2).sum(-1)) < 1e-6
-
-
 @pytest.fixture
 def runners(tiny_model_path):
     from transformers import AutoModelForCausalLM
@@ -193,18 +153,15 @@ def runners(tiny_model_path):
 
 
 class _EveryGemv(dict):
-    """A tuner's choices that put every projection on the GEMV (fused where it can be), and fold
-    every add + RMSNorm between two products into them."""
+    """A tuner's choices that put every projection on the GEMV (fused where it can be)."""
 
     def get(self, key, default=None):
-        tiling = {"block_k": 64}
-        return ("fold", tiling, tiling) if key[0] == "fold" else ("gemv", tiling)
+        return ("gemv", {"block_k": 64})
 
 
 def test_decoder_all_fusions_equals_generic_runner(runners, monkeypatch):
-    """Decode steps with fused attention, the fused gate/up epilogue, every projection on the GEMV
-    and every add + RMSNorm after layer 0's folded into the products around it (the kernels a
-    captured graph holds, run eagerly here) give the generic runner's tokens."""
+    """Decode steps with fused attention, the fused gate/up epilogue and every projection on the
+    GEMV (the kernels a captured graph holds, run eagerly here) give the generic runner's tokens."""
     from compaction_gym.engine.config import SamplingParams
     from compaction_gym.engine.model_runner import RowFeed
 
@@ -225,27 +182,19 @@ def test_decoder_all_fusions_equals_generic_runner(runners, monkeypatch):
         )
         toks[0].append(cur[0])
         toks[1].append(cur[1])
-    calls, norms = [], []
-    real_gemv, real_norm = gemv, K.rms_norm
+    calls = []
+    real_gemv = gemv
 
     def spy_gemv(*args, **kw):
-        calls.append("add_to" if kw.get("add_to") is not None else kw.get("act"))
+        calls.append(kw.get("act"))
         return real_gemv(*args, **kw)
-
-    def spy_norm(*args, **kw):
-        norms.append(1)
-        return real_norm(*args, **kw)
 
     import compaction_gym.engine.fast.model as M
 
     monkeypatch.setattr(M, "gemv", spy_gemv)
-    monkeypatch.setattr(M, "rms_norm", spy_norm)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # look choices up
-    dec.graph_mode, dec._gemv_choice, dec.sm_count, dec.fuse_norm = True, _EveryGemv(), SMS, True
+    dec.graph_mode, dec._gemv_choice, dec.sm_count = True, _EveryGemv(), SMS
     out, _ = fast.generate([1, 3], first, [20, 12], [SamplingParams(temperature=0.0)] * 2, 5)
     assert out == toks
     layers = dec.n_layers
-    assert calls.count("silu_mul") == 5 * layers
-    # o and down add into the residual stream; q/k/v, gate/up and lm_head normalise from their statistics
-    assert calls.count("add_to") == 5 * 2 * layers and calls.count(None) == 5 * (layers + 1)
-    assert len(norms) == 5  # the one RMSNorm kernel left per step: layer 0's, after the embedding
+    assert calls.count("silu_mul") == 5 * layers and calls.count(None) == 5 * (3 * layers + 1)

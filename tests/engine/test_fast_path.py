@@ -23,7 +23,7 @@ from compaction_gym.engine.fast.attention import (
     prefill_attention,
     prefill_attention_torch,
 )
-from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, gemv, gemv_ref, gemv_tiles
+from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, gemv, gemv_ref
 from compaction_gym.engine.fast.nnls import nnls_fista, nnls_fista_torch
 from compaction_gym.engine.model_runner import ModelLayout, ModelRunner, RowFeed
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -209,34 +209,6 @@ def test_fused_gate_up_real_shapes(shape):
             assert rel(y, K.silu_mul(gemv(x, w, **tiling))) < 1e-3  # the same products, one launch fewer
 
 
-@pytest.mark.parametrize(
-    "producer, consumer, act", [((1024, 3072), (4096, 1024), None), ((2560, 4096), (19456, 2560), "silu_mul")]
-)
-def test_folded_norm_real_shapes(producer, consumer, act):
-    """0.6B down → q/k/v and 4B o → gate/up (bf16, 1/8/32 rows, every tiling): the producer's sum
-    into the residual stream equals residual + its plain product bit for bit, and the consumer
-    normalising from the producer's statistics equals RMSNorm + cuBLAS."""
-    g = torch.Generator(device="cuda").manual_seed(producer[0])
-    w_out = (torch.randn(*producer, generator=g, device=CUDA) * producer[1] ** -0.5).to(torch.bfloat16)
-    w_in = (torch.randn(*consumer, generator=g, device=CUDA) * consumer[1] ** -0.5).to(torch.bfloat16)
-    norm_weight = (torch.rand(producer[0], generator=g, device=CUDA) + 0.5).to(torch.bfloat16)
-    for m in (1, 8, 32):
-        a = torch.randn(m, producer[1], generator=g, device=CUDA).to(torch.bfloat16)
-        res0 = torch.randn(m, producer[0], generator=g, device=CUDA).to(torch.bfloat16)
-        res_ref = res0.clone()
-        y = K.rms_norm(torch.nn.functional.linear(a, w_out), norm_weight, 1e-6, res_ref)
-        ref = torch.nn.functional.linear(y, w_in)
-        ref = K.silu_mul(ref) if act else ref
-        for tiling in GEMV_CANDIDATES:
-            res = res0.clone()
-            stats = torch.full((gemv_tiles(producer[0], 132, tiling.get("block_n")), 32), float("nan"), device=CUDA)
-            gemv(a, w_out, add_to=res, norm_stats=stats, sm_count=132, **tiling)
-            assert torch.equal(res, res0 + gemv(a, w_out, sm_count=132, **tiling))
-            for c_tiling in GEMV_CANDIDATES:
-                out = gemv(res, w_in, act=act, norm_weight=norm_weight, norm_stats=stats, **c_tiling)
-                assert rel(out, ref) < TOL[torch.bfloat16], (m, tiling, c_tiling)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_matches_reference(dtype):
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -315,9 +287,8 @@ def test_fast_runner_bf16_as_close_to_fp32_as_generic(tiny_model_path):
 
 
 def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
-    """Decode graphs with every projection forced onto the GEMV (gate/up with its SiLU·mul epilogue),
-    every add + RMSNorm after layer 0's folded into the products around it and single-launch
-    attention give the tokens of cuBLAS graphs without fusions (float32)."""
+    """Decode graphs with every projection forced onto the GEMV (gate/up with its SiLU·mul epilogue)
+    and single-launch attention give the tokens of cuBLAS graphs without fusions (float32)."""
     _, fast = _runners(tiny_model_path, torch.float32)
     prompts = {1: list(range(50, 90)), 3: list(range(7, 19))}
     first = fast.forward([RowFeed(s, ids, 0) for s, ids in prompts.items()]).argmax(-1).tolist()
@@ -333,13 +304,11 @@ def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
     fast.cache.lengths[:] = saved[2]
     fast._graphs.clear()
     fast._pool = None
-    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = dec.fuse_norm = True
+    dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = True
     dec._tune = lambda x, w, b, act=None: ("gemv", {})  # every projection of the graph on the GEMV
-    dec._tune_fold = lambda *args: (("fold", {}, {"block_k": 256}), 1.0, 0.5)  # and every norm after layer 0's folded
     toks, lps = fast.generate(list(prompts), first, starts, greedy, 20)
     assert dec._gemv_choice and all(dec._gemv_choice.values())
     assert any(key[-1] == "silu_mul" for key in dec._gemv_choice)  # gate/up took the fused epilogue
-    assert sum(key[0] == "fold" for key in dec._gemv_choice) == 3  # o → gate/up, down → q/k/v, down → lm_head
     assert toks == toks_cublas
     assert max(abs(a - b) for r1, r2 in zip(lps, lps_cublas) for a, b in zip(r1, r2)) < 1e-4
 

@@ -80,25 +80,15 @@ if HAS_TRITON:
         return xk
 
     @triton.jit
-    def _store_output(Y, BIAS, SS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y, stride_ss,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ADD_TO: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    def _store_output(Y, BIAS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         """Store the float32 tile ``acc`` (+ bias) in ``Y``'s dtype; with ``ACT``, ``silu(gate) · up``
         of its (gate, up) column pairs with :func:`silu_mul_ref`'s roundings (gate and up rounded as
-        a projection's output would be, SiLU rounded, product rounded) into ``[M, N / 2]``; with
-        ``ADD_TO``, ``h = Y + acc`` (the product rounded first, as the residual add of a layer does)
-        back into ``Y`` and each row's ``Σ h²`` over the tile's columns into ``SS[pid_n]``."""
+        a projection's output would be, SiLU rounded, product rounded) into ``[M, N / 2]``."""
         dt = Y.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(BIAS + w_idx, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if ADD_TO:
-            mask = mmask[:, None] & nmask[None, :]
-            y_ptr = Y + offs_m[:, None] * stride_y + offs_n[None, :]
-            h = (tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
-            tl.store(y_ptr, h, mask=mask)
-            hf = tl.where(mask, h.to(tl.float32), 0.0)
-            tl.store(SS + pid_n * stride_ss + offs_m, tl.sum(hf * hf, axis=1), mask=mmask)
-        elif ACT:
+        if ACT:
             gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
             g = gate.to(dt).to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -112,11 +102,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_kernel(
-        X, R, RO, NW, W, BIAS, Y, WS, CNT, SS,
-        M, N, K, k_split, stride_x, stride_r, stride_ro, stride_w, stride_y, stride_ss, n_ss, eps,
+        X, R, RO, NW, W, BIAS, Y, WS, CNT,
+        M, N, K, k_split, stride_x, stride_r, stride_ro, stride_w, stride_y, eps,
         NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, SILU: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-        ADD_TO: tl.constexpr, SS_TILES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
@@ -132,12 +121,7 @@ if HAS_TRITON:
         else:
             w_idx = offs_n
         rstd = tl.zeros([BLOCK_M], tl.float32)
-        if NORM and SS_TILES > 0:  # the rows' Σ x² left by the product that wrote x, one partial per tile
-            offs_t = tl.arange(0, SS_TILES)
-            parts = tl.load(SS + offs_t[:, None] * stride_ss + offs_m[None, :],
-                            mask=(offs_t < n_ss)[:, None] & mmask[None, :], other=0.0)  # fmt: skip
-            rstd = tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
-        elif NORM:  # the rows' RMS over all of K (each program: x is tiny next to W)
+        if NORM:  # the rows' RMS over all of K (each program: x is tiny next to W)
             ss = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -167,8 +151,8 @@ if HAS_TRITON:
                 acc += tl.dot(xk, tl.trans(w))
         out_mask = mmask[:, None] & nmask[None, :]
         if SPLIT == 1:
-            _store_output(Y, BIAS, SS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y, stride_ss,
-                          HAS_BIAS, ACT, ADD_TO, BLOCK_M, BLOCK_N)  # fmt: skip
+            _store_output(Y, BIAS, acc, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                          HAS_BIAS, ACT, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             # partial of this split; the last split program of the tile reduces, in split order
             ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]
@@ -179,8 +163,8 @@ if HAS_TRITON:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s in range(SPLIT):
                     total += tl.load(ws_tile + s * (BLOCK_M * N), mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store_output(Y, BIAS, SS, total, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
-                              stride_ss, HAS_BIAS, ACT, ADD_TO, BLOCK_M, BLOCK_N)  # fmt: skip
+                _store_output(Y, BIAS, total, pid_n, offs_m, offs_n, w_idx, mmask, nmask, N, stride_y,
+                              HAS_BIAS, ACT, BLOCK_M, BLOCK_N)  # fmt: skip
                 tl.atomic_xchg(CNT + pid_n, 0)  # ready for the next launch (graph replay)
 
 
@@ -203,17 +187,11 @@ def gemv_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None, silu: bool = False, act: str | None = None,
-    add_to: torch.Tensor | None = None, norm_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Reference of :func:`gemv` (torch ops; ``norm_stats`` gets the whole rows' ``Σ h²`` in its first
-    tile and zeros in the others — the same sums)."""
+    """Reference of :func:`gemv` (torch ops)."""
     if silu:
         x = silu_mul_ref(x)
-    if norm_weight is not None and norm_stats is not None and add_to is None:
-        h = x.float()
-        rstd = torch.rsqrt(norm_stats[:, : x.shape[0]].sum(0) / x.shape[1] + eps)
-        x = norm_weight * (h * rstd[:, None]).to(x.dtype)
-    elif norm_weight is not None:
+    if norm_weight is not None:
         if residual is not None:
             h = (residual + x).to(x.dtype)
             if residual_out is not None:
@@ -222,11 +200,6 @@ def gemv_ref(
         else:
             x = rms_norm_ref(x, norm_weight, eps)
     y = torch.nn.functional.linear(x, weight, bias)
-    if add_to is not None:
-        add_to.copy_(add_to + y)
-        norm_stats.zero_()
-        norm_stats[0, : y.shape[0]] = add_to.float().pow(2).sum(-1)
-        return add_to
     return silu_mul_ref(y) if act == "silu_mul" else y
 
 
@@ -244,22 +217,10 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, act: str | None = None
     )
 
 
-def gemv_tiles(n: int, sm_count: int, block_n: int | None = None) -> int:
-    """Output tiles of :func:`gemv`'s launch for ``N = n`` (rows of ``norm_stats`` an ``add_to`` launch writes)."""
-    return -(-n // _block_n(n, sm_count, block_n))
-
-
-def _block_n(n: int, sm_count: int, block_n: int | None) -> int:
-    # wide tiles even when they leave SMs idle: at M = 1 a program's fixed cost (x loads, split-K
-    # partials) outweighs parallelism (docs/benchmarks.md, "GEMV tilings")
-    return block_n or (64 if -(-n // 64) >= 4 * sm_count else 32)
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None, silu: bool = False, act: str | None = None,
-    add_to: torch.Tensor | None = None, norm_stats: torch.Tensor | None = None,
     sm_count: int | None = None, block_n: int | None = None, block_k: int | None = None, split: int | None = None,
     programs_per_sm: int = 2, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
@@ -275,14 +236,6 @@ def gemv(
         act: ``"silu_mul"``: the output is ``silu_mul(f(x) Wᵀ)`` for ``W = [gate rows; up rows]``
             (``N`` even): each output tile multiplies matching gate and up rows, and the value
             stored is ``silu(gate) · up`` with :func:`silu_mul_ref`'s roundings.
-        add_to: ``[M, N]``: add the product (rounded to the model dtype) into this tensor — a
-            layer's residual stream — instead of returning it, and store each output tile's
-            ``Σ h²`` of the rows' sums ``h`` into ``norm_stats``; returns ``add_to``.
-        norm_stats: float32 ``[tiles, ≥ M]``. With ``add_to``: where the row statistics go (``tiles``
-            = :func:`gemv_tiles`). With ``norm_weight`` (and neither ``residual`` nor ``silu``): the
-            statistics such a launch left for ``x``: the RMSNorm's ``rsqrt(Σ x² / K + eps)`` comes
-            from their sum instead of a pass over ``x`` — the norm between two products folded
-            into them, with no launch of its own.
         sm_count: multiprocessors of the device (for the split-K choice).
         block_n, block_k, split: override the tiling (tests and benchmarks).
         programs_per_sm: without ``split``, split ``K`` until the launch has about this many
@@ -291,12 +244,10 @@ def gemv(
             as many stages of the ``W`` tile as fit 160 KiB, 2 to 4).
     """
     assert act in (None, "silu_mul"), act
-    assert add_to is None or (act is None and norm_stats is not None), "add_to: a plain product, with norm_stats"
-    assert norm_stats is None or add_to is not None or (norm_weight is not None and residual is None and not silu)
     if not gemv_supported(x, weight, act):
         return gemv_ref(
             x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=residual_out,
-            silu=silu, act=act, add_to=add_to, norm_stats=norm_stats,
+            silu=silu, act=act,
         )  # fmt: skip
     m = x.shape[0]
     block_m = 16 if m <= 16 else GEMV_MAX_M
@@ -307,34 +258,26 @@ def gemv(
     sms = sm_count or torch.cuda.get_device_properties(x.device).multi_processor_count
     ieee = x.dtype == torch.float32
     bk = min(block_k or 128, 64 if ieee else 512)
-    bn = _block_n(n, sms, block_n)
+    # wide tiles even when they leave SMs idle: at M = 1 a program's fixed cost (x loads, split-K
+    # partials) outweighs parallelism (docs/benchmarks.md, "GEMV tilings")
+    bn = block_n or (64 if triton.cdiv(n, 64) >= 4 * sms else 32)
     n_tiles = triton.cdiv(n, bn)
-    if add_to is not None:
-        assert add_to.shape == (m, n) and add_to.dtype == x.dtype and add_to.stride(-1) == 1, "add_to: [M, N]"
-        assert norm_stats is None or norm_stats.shape[0] == n_tiles, "norm_stats: one row per output tile"
-    if norm_stats is not None:
-        assert norm_stats.dtype == torch.float32 and norm_stats.shape[1] >= m and norm_stats.stride(1) == 1
     if split is None:
         split = max(1, min(triton.cdiv(programs_per_sm * sms, n_tiles), k // (4 * bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
-    y = add_to if add_to is not None else x.new_empty(m, n // 2 if act else n)
+    y = x.new_empty(m, n // 2 if act else n)
     if split > 1:
         ws, cnt = _workspace(x.device, n, split, n_tiles)
     else:
         ws = cnt = y
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else r
-    ss = norm_stats if norm_stats is not None else ws
-    stats_in = norm_stats is not None and add_to is None
     _gemv_kernel[(n_tiles, split)](
         x, r, ro, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, ws, cnt,
-        ss, m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), ss.stride(0),
-        norm_stats.shape[0] if stats_in else 0, eps,
+        m, n, k, k_split, x.stride(0), r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), eps,
         NORM=norm_weight is not None, HAS_RES=residual is not None, WRITE_RES=residual_out is not None, SILU=silu,
-        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None,
-        ADD_TO=add_to is not None,
-        SS_TILES=triton.next_power_of_2(norm_stats.shape[0]) if stats_in else 0, BLOCK_M=block_m, BLOCK_N=bn,
+        HAS_BIAS=bias is not None, SPLIT=split, IEEE=ieee, ACT=act is not None, BLOCK_M=block_m, BLOCK_N=bn,
         BLOCK_K=bk, num_warps=num_warps,
         num_stages=num_stages or max(2, min(4, (160 << 10) // ((bn + block_m) * bk * x.element_size()))),
         **pdl_kwargs(x),

@@ -10,10 +10,7 @@ kernel and the down GEMM. For batches of at most 32 tokens (small-batch decode) 
 runs either cuBLAS or the Triton split-K GEMV (:mod:`~compaction_gym.engine.fast.gemv`),
 whichever measured faster for its shape and batch size on this device (timed once, with CUDA
 graphs, before the decode graph is captured); gate/up may also run as one GEMV with the SiLU·mul
-in its epilogue (:attr:`FastDecoder.fuse_mlp`), and an add + RMSNorm between two products may be
-folded into them (:attr:`FastDecoder.fuse_norm`: the first adds into the residual stream and
-leaves the rows' statistics, the second normalises its input from them), each timed against the
-unfused launches the same way.
+in its epilogue (:attr:`FastDecoder.fuse_mlp`), timed against the unfused pair the same way.
 
 :meth:`FastDecoder.run` runs a flat batch of tokens with any attention function: the decode
 step (one token per row, Triton flash-decode) and the batched prefill (many rows of different
@@ -28,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, GEMV_MAX_M, gemv, gemv_supported, gemv_tiles
-from compaction_gym.engine.fast.kernels import pdl_enabled, qkv_rope_store, rms_norm, silu_mul
+from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, GEMV_MAX_M, gemv, gemv_supported
+from compaction_gym.engine.fast.kernels import qkv_rope_store, rms_norm, silu_mul
 
 #: ``config.model_type`` values the fast decoder runs.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -83,20 +80,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-
-
-@dataclass
-class FoldedNorm:
-    """An add + RMSNorm folded into the products around it: the producer added its output into the
-    residual stream and left each row's ``Σ h²`` (per output tile) in ``stats``; the consumer
-    normalises the residual stream with ``weight`` from them, with GEMV tiling ``tiling``."""
-
-    weight: torch.Tensor
-    stats: torch.Tensor
-    tiling: dict
-
-#: A product that consumes a normalised input: its weight, bias and epilogue (``"silu_mul"`` or ``None``).
-Consumer = tuple[torch.Tensor, torch.Tensor | None, str | None]
 
 
 def _fuse(modules: list[torch.nn.Module], name: str) -> torch.Tensor | None:
@@ -165,16 +148,9 @@ class FastDecoder:
         #: in captured graphs of ≤ 32 rows, gate/up GEMV with the SiLU·mul in its epilogue, where
         #: it measured faster than the projection and ``silu_mul`` run separately
         self.fuse_mlp = fusions
-        #: in captured graphs of ≤ 32 rows, fold each add + RMSNorm between two products into them
-        #: (:class:`FoldedNorm`) where the folded pair measured faster than the three launches. On
-        #: by default only without programmatic dependent launch: with it (Hopper) the norm kernel
-        #: overlaps its neighbours and the folded pair never measured faster (docs/benchmarks.md)
-        self.fuse_norm = fusions and not pdl_enabled(self.embed)
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
         self.graph_mode = False
         self._gemv_choice: dict[tuple, tuple | bool] = {}
-        #: for each folding decision: (seconds unfolded, seconds of the best folded pair) per chain
-        self.fold_timings: dict[tuple, tuple[float, float]] = {}
         self.sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
@@ -198,8 +174,6 @@ class FastDecoder:
                     down=mlp.down_proj.weight,
                 )
             )
-        hidden = self.embed.shape[1]
-        self._norm_stats = torch.zeros(-(-hidden // 16), GEMV_MAX_M, dtype=torch.float32, device=self.device)
         self._rotary = inner.rotary_emb
         self.cos = self.sin = torch.empty(0, self.head_dim // 2, dtype=self.dtype, device=self.device)
         self.ensure_positions(int(getattr(cfg, "max_position_embeddings", 4096) or 4096))
@@ -263,11 +237,14 @@ class FastDecoder:
         Returns:
             Logits ``[len(last), V]`` in the model dtype.
         """
-        residual = torch.nn.functional.embedding(ids, self.embed)  # updated in place (add + norm)
-        layers = self.layers
-        y, norm = rms_norm(residual, layers[0].in_norm, self.eps), None
-        for i, lw in enumerate(layers):
-            qkv = self._linear(y, lw.qkv, lw.qkv_bias, norm)
+        residual = torch.nn.functional.embedding(ids, self.embed)  # updated in place by rms_norm
+        x = None
+        for i, lw in enumerate(self.layers):
+            if x is None:
+                y = rms_norm(residual, lw.in_norm, self.eps)
+            else:
+                y = rms_norm(x, lw.in_norm, self.eps, residual)
+            qkv = self._linear(y, lw.qkv, lw.qkv_bias)
             q = qkv_rope_store(
                 qkv, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, self.eps,
                 k_cache[:, i], v_cache[:, i], slots, rows, self.n_q, self.n_kv,
@@ -276,94 +253,36 @@ class FastDecoder:
             if record is not None:
                 record(i, q)
             attn = attend(i, q).reshape(q.shape[0], -1)
-            y, norm = self._add_norm(attn, lw.o, lw.o_bias, residual, lw.post_norm, (lw.gate_up, None, "silu_mul"))
-            g = self._consume(y, (lw.gate_up, None, "silu_mul"), norm)
-            if i + 1 < len(layers):
-                nxt = layers[i + 1]
-                y, norm = self._add_norm(g, lw.down, None, residual, nxt.in_norm, (nxt.qkv, nxt.qkv_bias, None))
-            elif last is None:
-                y, norm = self._add_norm(g, lw.down, None, residual, self.norm, (self.lm_head, None, None))
-            else:
-                x = self._linear(g, lw.down)
-                y, norm = rms_norm(x[last], self.norm, self.eps, residual[last]), None
-        return self._linear(y, self.lm_head, None, norm)
+            x = self._linear(attn, lw.o, lw.o_bias)
+            y = rms_norm(x, lw.post_norm, self.eps, residual)
+            x = self._linear(self._gate_up_silu(y, lw.gate_up), lw.down)
+        if last is not None:
+            x, residual = x[last], residual[last]
+        y = rms_norm(x, self.norm, self.eps, residual)
+        return self._linear(y, self.lm_head)
 
     # ------------------------------------------------------------------ projections
-    def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: FoldedNorm | None = None
-    ) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wᵀ + b``: cuBLAS, or in captured graphs the split-K GEMV where it measured faster.
 
         While :attr:`graph_mode` is set (the runner's warm-up and capture of a decode graph), a
         projection of ≤ 32 rows is first timed both ways (:meth:`_tune`, outside capture) and the
         captured graph then holds the faster one. Eagerly run batches always use cuBLAS: a Triton
-        launch costs more host time than the product itself at these sizes. With ``norm``, ``x``
-        is the residual stream and the GEMV normalises it first (:class:`FoldedNorm`).
+        launch costs more host time than the product itself at these sizes.
         """
-        if norm is not None:
-            return gemv(
-                x, weight, bias, norm_weight=norm.weight, norm_stats=norm.stats, eps=self.eps,
-                sm_count=self.sm_count, **norm.tiling,
-            )  # fmt: skip
         tiling = self._gemv_tiling(x, weight, bias, None)
         if tiling is not None:
             return gemv(x, weight, bias, sm_count=self.sm_count, **tiling)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def _gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor, norm: FoldedNorm | None = None) -> torch.Tensor:
+    def _gate_up_silu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(x Gᵀ) · (x Uᵀ)`` for ``gate_up = [G; U]``: in captured graphs of ≤ 32 rows the GEMV
         with the SiLU·mul epilogue (one launch) where it measured faster, else projection + :func:`silu_mul`."""
         if self.fuse_mlp:
-            tiling = norm.tiling if norm is not None else self._gemv_tiling(x, gate_up, None, "silu_mul")
+            tiling = self._gemv_tiling(x, gate_up, None, "silu_mul")
             if tiling is not None:
-                extra = dict(norm_weight=norm.weight, norm_stats=norm.stats, eps=self.eps) if norm is not None else {}
-                return gemv(x, gate_up, act="silu_mul", sm_count=self.sm_count, **tiling, **extra)
-        return silu_mul(self._linear(x, gate_up, None, norm))
-
-    def _consume(self, y: torch.Tensor, consumer: Consumer, norm: FoldedNorm | None = None) -> torch.Tensor:
-        """Run the product ``consumer`` on ``y`` (the residual stream when ``norm`` is given)."""
-        weight, bias, act = consumer
-        return self._gate_up_silu(y, weight, norm) if act else self._linear(y, weight, bias, norm)
-
-    def _add_norm(
-        self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-        norm_weight: torch.Tensor, consumer: Consumer,
-    ) -> tuple[torch.Tensor, FoldedNorm | None]:  # fmt: skip
-        """``rms_norm(a Wᵀ + b, norm_weight, residual)`` (``residual`` updated) for ``consumer`` to read.
-
-        Returns ``(y, None)``, or where the tuner folded this norm (:meth:`_fold_choice`)
-        ``(residual, FoldedNorm)``: the GEMV added its product into ``residual`` and left the row
-        statistics, and ``consumer`` normalises as it reads (:meth:`_consume`).
-        """
-        fold = self._fold_choice(a, weight, bias, residual, consumer)
-        if not fold:
-            return rms_norm(self._linear(a, weight, bias), norm_weight, self.eps, residual), None
-        _, producer_tiling, consumer_tiling = fold
-        stats = self._norm_stats[: gemv_tiles(weight.shape[0], self.sm_count, producer_tiling.get("block_n"))]
-        gemv(a, weight, bias, add_to=residual, norm_stats=stats, sm_count=self.sm_count, **producer_tiling)
-        return residual, FoldedNorm(norm_weight, stats, consumer_tiling)
-
-    def _fold_choice(
-        self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-        consumer: Consumer,
-    ) -> tuple | None:  # fmt: skip
-        """``("fold", producer tiling, consumer tiling)`` where a captured graph folds the norm after
-        ``a Wᵀ + b`` into the products around it, else ``None``; timed outside capture first (:meth:`_tune_fold`)."""
-        c_weight, c_bias, act = consumer
-        m = a.shape[0]
-        if not (
-            self.graph_mode and self.use_gemv and self.fuse_norm and m <= GEMV_MAX_M
-            and gemv_supported(a, weight) and gemv_supported(residual, c_weight, act)
-        ):  # fmt: skip
-            return None
-        key = ("fold", tuple(weight.shape), tuple(c_weight.shape), 1 << (m - 1).bit_length(), bias is not None,
-               c_bias is not None, act)  # fmt: skip
-        if not torch.cuda.is_current_stream_capturing():
-            if key not in self._gemv_choice:
-                choice, *times = self._tune_fold(a, weight, bias, residual, consumer)
-                self._gemv_choice[key], self.fold_timings[key] = choice, tuple(times)
-            return None  # warm-up steps run the unfolded path
-        return self._gemv_choice.get(key) or None
+                return gemv(x, gate_up, act="silu_mul", sm_count=self.sm_count, **tiling)
+        return silu_mul(self._linear(x, gate_up))
 
     def _gemv_tiling(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None
@@ -427,52 +346,6 @@ class FastDecoder:
             if fused == (act is not None) and t < best_t:
                 best, best_t = ("gemv", dict(tiling)), t
         return best
-
-    def _tune_fold(
-        self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-        consumer: Consumer,
-    ) -> tuple[tuple | bool, float, float]:  # fmt: skip
-        """Time the add + RMSNorm after ``a Wᵀ + b`` folded into the products around it vs unfolded.
-
-        Both run as chains in CUDA graphs, the weights rotating through the layers' matrices of
-        each shape: unfolded = the producer and ``consumer`` as the tuner chose them (cuBLAS or
-        GEMV, :meth:`_tune`) with the add + RMSNorm kernel between them; folded = the producer GEMV
-        adding into the residual stream with the row statistics in its epilogue, then the
-        consumer GEMV normalising from them, both with each of :data:`GEMV_CANDIDATES`' tilings.
-        Returns ``(("fold", producer tiling, consumer tiling), …)`` when folding is 3 % faster, else
-        ``(False, …)``, followed by the seconds per chain unfolded and folded (best pair).
-        """
-        from triton.runtime.errors import OutOfResources
-
-        c_weight, c_bias, act = consumer
-        p_mats, c_mats = self._same_shape(weight), self._same_shape(c_weight)
-        a, res = torch.randn_like(a), torch.randn_like(residual)
-        norm_weight = torch.rand(res.shape[1], dtype=res.dtype, device=res.device) + 0.5
-        launches = max(16, len(p_mats), len(c_mats))
-
-        def unfolded(i: int) -> None:
-            y = rms_norm(self._linear(a, p_mats[i % len(p_mats)], bias), norm_weight, self.eps, res)
-            self._consume(y, (c_mats[i % len(c_mats)], c_bias, act))
-
-        base = _graph_time(unfolded, launches)
-        best, best_t, best_folded = False, 0.97 * base, float("inf")
-        for tiling in GEMV_CANDIDATES:
-            stats = self._norm_stats[: gemv_tiles(weight.shape[0], self.sm_count, tiling.get("block_n"))]
-            norm = FoldedNorm(norm_weight, stats, tiling)
-
-            def folded(i: int, tiling=tiling, stats=stats, norm=norm) -> None:
-                w = p_mats[i % len(p_mats)]
-                gemv(a, w, bias, add_to=res, norm_stats=stats, sm_count=self.sm_count, **tiling)
-                self._consume(res, (c_mats[i % len(c_mats)], c_bias, act), norm)
-
-            try:
-                t = _graph_time(folded, launches)
-            except OutOfResources:  # a tiling this device cannot hold
-                continue
-            best_folded = min(best_folded, t)
-            if t < best_t:
-                best, best_t = ("fold", dict(tiling), dict(tiling)), t
-        return best, base, best_folded
 
     def _same_shape(self, weight: torch.Tensor) -> list[torch.Tensor]:
         """Up to 32 of the model's matrices shaped like ``weight`` (timings rotate through them: HBM reads)."""
