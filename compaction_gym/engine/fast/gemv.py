@@ -47,7 +47,10 @@ GEMV_MAX_M = 32
 #: Tilings the fast decoder times against cuBLAS for each projection shape (``{}``: the defaults).
 GEMV_CANDIDATES: tuple[dict, ...] = (
     {}, {"block_k": 256}, {"block_n": 64}, {"block_n": 64, "block_k": 256},
-    {"split": 1, "block_k": 512, "num_stages": 3},  # no split-K: 0.6B q/k/v at M = 1 (docs/benchmarks.md)
+    {"split": 1, "block_k": 512, "num_stages": 3},  # no split-K
+    # one warp per program: the fastest at M = 1 on most Qwen3 shapes (docs/benchmarks.md, H200)
+    {"num_warps": 1}, {"num_warps": 1, "block_k": 64}, {"num_warps": 1, "block_n": 16},
+    {"num_warps": 1, "block_n": 16, "block_k": 256},
 )  # fmt: skip
 
 if HAS_TRITON:
