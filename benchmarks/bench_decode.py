@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     headers = [
         "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
-        "cuBLAS ms/step", f"fusions {args.compare_fusions or 'off'} ms/step",
+        "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step",
     ]  # fmt: skip
     print_table(
         headers,
