@@ -42,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--grid", nargs="*", default=None, metavar="PARAM=V1,V2",
-        help="with --sweep: the tilings to time instead of SWEEP_GRID (e.g. block_n=16,32 split=1 num_stages=3,4)",
+        help="with --sweep: the tilings to time instead of SWEEP_GRID (e.g. block_n=16,32 split=1 num_stages=3,4); "
+        "with --attention: values replacing ATTENTION_GRID's (e.g. num_warps=1,2,4 split_factor=0.5,1)",
     )  # fmt: skip
     p.add_argument("--attention", action="store_true", help="instead: sweep decode-attention launches")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="with --attention")
@@ -137,7 +138,7 @@ def parse_grid(items: list[str]) -> dict[str, tuple]:
         name, _, values = item.partition("=")
         if not values:
             raise SystemExit(f"--grid: {item!r} is not PARAM=V1,V2")
-        grid[name] = tuple(None if v.lower() == "none" else int(v) for v in values.split(","))
+        grid[name] = tuple(None if v.lower() == "none" else float(v) if "." in v else int(v) for v in values.split(","))
     return grid
 
 
@@ -233,7 +234,7 @@ def attention_case(name: str, batch: int, kv: int, args, bw: float) -> list[list
 
     default = time({"split_factor": 1, "block_n": 64, "num_warps": 4, "num_stages": 2})
     rows = []
-    for rank, (t, c) in enumerate(fastest(time, ATTENTION_GRID)):
+    for rank, (t, c) in enumerate(fastest(time, {**ATTENTION_GRID, **parse_grid(args.grid or [])})):
         launch = " ".join([f"splits={splits(c)}"] + [f"{a}={b}" for a, b in c.items() if a != "split_factor"])
         rows.append([
             name, batch, kv, rank + 1, launch, t * 1e6, t / floor, default * 1e6, default / floor, per_layer / t / 1e9,
