@@ -11,7 +11,8 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   ``min_new_tokens = max_new_tokens``; decode time = generate(N + 1) − generate(1) on the same
   prompt, so prefill is excluded from both sides.
 * batches of ≤ 32 rows (``GEMV_MAX_M``) run each projection on the Triton GEMV where the tuner
-  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only (``FastDecoder.use_gemv = False``) in the same run.
+  measured it faster than cuBLAS; ``--compare-gemv`` also times them with cuBLAS only
+  (``FastDecoder.use_gemv = False``) in the same run.
 * fusions: ``--fusions default`` (the decoder's defaults: gate/up GEMV with the SiLU·mul epilogue
   where the tuner finds it faster, single-launch decode attention where a graph uses one split),
   ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions
