@@ -17,6 +17,9 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   where the tuner finds it faster, single-launch decode attention where a graph uses one split),
   ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions
   [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the same run.
+* **first run +s**: how much longer the first run of a batch took than a timed one — the
+  projections' tuning, Triton compiles (cached on disk after a machine's first run) and the graph
+  capture of that batch-size bucket.
 * ``--profile``: also prints, per batch, where a captured step's GPU time goes (torch profiler
   over one timed run: kernels grouped by name, launches and µs per step, share of the step, and
   how busy the GPU was between the first kernel's start and the last one's end).
@@ -106,11 +109,13 @@ def decode_run(runner, batch: int, kv: int, steps: int) -> Callable[[], None]:
     return run
 
 
-def time_generate(runner, batch: int, kv: int, steps: int, repeats: int) -> float:
-    """Seconds per greedy decode step of ``batch`` rows at KV length ``kv`` (median of ``repeats``)."""
+def time_generate(runner, batch: int, kv: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Seconds per greedy decode step of ``batch`` rows at KV length ``kv`` (median of ``repeats``),
+    and seconds the first run took beyond a timed one (tuning, Triton compiles, graph capture)."""
     run = decode_run(runner, batch, kv, steps)
-    run()  # captures the graph
-    return statistics.median(wall_time(run) for _ in range(repeats)) / steps
+    first = wall_time(run)  # tunes the projections, captures the graph
+    step = statistics.median(wall_time(run) for _ in range(repeats)) / steps
+    return step, first - step * steps
 
 
 def kernel_profile(run: Callable[[], None], steps: int, title: str) -> None:
@@ -170,7 +175,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         batches = [b for b in args.batches if b <= fits]
         for b in args.batches:
             if b > fits:
-                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", ""])
+                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", "", ""])
         if not batches:
             continue
         cache = SlotKVCache(
@@ -182,7 +187,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         set_fusions(runner, args.fusions)
         weight_bytes = runner.decoder.weight_bytes()
         for b in batches:
-            step = time_generate(runner, b, kv, args.steps, args.repeats)
+            step, setup = time_generate(runner, b, kv, args.steps, args.repeats)
             cublas = ""
             if args.compare_gemv and b <= GEMV_MAX_M:
                 for use in (False, True):  # recapture without, then again with the GEMVs
@@ -190,11 +195,11 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                     runner._graphs.clear()
                     runner._pool = None
                     if not use:
-                        cublas = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
+                        cublas = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
             unfused = ""
             if args.compare_fusions and args.compare_fusions != args.fusions:
                 set_fusions(runner, args.compare_fusions)
-                unfused = time_generate(runner, b, kv, args.steps, args.repeats) * 1e3
+                unfused = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
                 set_fusions(runner, args.fusions)
             kv_read = b * (kv + args.steps / 2) * kv_bytes_per_token(layout)
             floor = (weight_bytes + kv_read) / bandwidth
@@ -202,7 +207,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             tps = b / step
             rows.append([
                 name, b, kv, tps, step * 1e3, floor * 1e3, step / floor,
-                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
+                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused, setup,
             ])  # fmt: skip
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
             if args.profile:
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     headers = [
         "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
-        "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step",
+        "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step", "first run +s",
     ]  # fmt: skip
     print_table(
         headers,
