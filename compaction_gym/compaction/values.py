@@ -11,13 +11,37 @@ from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
 
+def ridge_system(x: torch.Tensor, y: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy, λ)``, batched.
+
+    ``λ = ridge · trace(xᵀx) / t``, floored at ``10·eps·trace(xᵀx)`` so a singular ``xᵀx``
+    (``ridge=0`` with duplicate keys or fewer probes than keys) still factors.
+    """
+    t = x.shape[-1]
+    gram = x.mT @ x
+    rhs = x.mT @ y
+    trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
+    lam = torch.maximum(ridge * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
+    eye = torch.eye(t, dtype=x.dtype, device=x.device)
+    return gram + lam[:, None, None] * eye, rhs, lam
+
+
+def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve ``a c = rhs`` for symmetric positive definite ``a`` ``[B, t, t]``: a Cholesky factor
+    and two triangular solves, with no host synchronisation (unlike ``torch.cholesky_solve``,
+    which checks on the host). Returns ``c`` and which problems succeeded (factored, finite)."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    half = torch.linalg.solve_triangular(chol, rhs, upper=False)
+    sol = torch.linalg.solve_triangular(chol.mT, half, upper=True)
+    return sol, (info == 0) & sol.isfinite().all(-1).all(-1)
+
+
 def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     """``argmin_c ‖x c − y‖² + λ‖c‖²`` with ``λ = ridge · trace(xᵀx) / t``, batched.
 
-    A Cholesky solve of the normal equations, with ``λ`` floored at ``10·eps·trace(xᵀx)`` so a
-    singular ``xᵀx`` (``ridge=0`` with duplicate keys or fewer probes than keys) still factors.
-    Problems where the factorisation fails anyway or yields non-finite values are re-solved from
-    the augmented system ``[x; √λ I] c = [y; 0]`` with a pseudo-inverse (SVD).
+    A Cholesky solve of the normal equations (:func:`ridge_system`). Problems where the
+    factorisation fails anyway or yields non-finite values are re-solved from the augmented
+    system ``[x; √λ I] c = [y; 0]`` with a pseudo-inverse (SVD).
 
     Args:
         x: ``[B, n, t]``. y: ``[B, n, d]``. ridge: relative ridge strength ``≥ 0``.
@@ -26,16 +50,11 @@ def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
         ``c`` ``[B, t, d]``.
     """
     t = x.shape[-1]
-    gram = x.mT @ x
-    rhs = x.mT @ y
-    trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
-    lam = torch.maximum(ridge * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
-    eye = torch.eye(t, dtype=x.dtype, device=x.device)
-    chol, info = torch.linalg.cholesky_ex(gram + lam[:, None, None] * eye)
-    sol = torch.cholesky_solve(rhs, chol)
-    bad = (info != 0) | ~sol.isfinite().all(-1).all(-1)
-    if bool(bad.any()):
-        rows = bad.nonzero()[:, 0]
+    a, rhs, lam = ridge_system(x, y, ridge)
+    sol, ok = cholesky_solve_ex(a, rhs)
+    if not bool(ok.all()):
+        rows = (~ok).nonzero()[:, 0]
+        eye = torch.eye(t, dtype=x.dtype, device=x.device)
         xa = torch.cat([x[rows], lam[rows].sqrt()[:, None, None] * eye], dim=1)
         ya = torch.cat([y[rows], y.new_zeros(len(rows), t, y.shape[-1])], dim=1)
         sol = sol.index_put((rows,), torch.linalg.pinv(xa) @ ya)

@@ -107,3 +107,19 @@ def test_low_precision_inputs_return_input_dtype(dtype):
     ref = fit_values(k64, v64, q64, span, idx)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert rel(c2, ref) < tol
+
+
+def test_cholesky_solve_ex_solves_and_flags_what_does_not_factor():
+    """The sync-free solver (the GPU fast path's C2): SPD problems match ``torch.linalg.solve`` in
+    float64; a problem that is not positive definite is flagged instead of solved."""
+    from compaction_gym.compaction.values import cholesky_solve_ex
+
+    g = torch.Generator().manual_seed(5)
+    m = torch.randn(4, 12, 12, generator=g, dtype=F64)
+    a = m @ m.mT + 0.1 * torch.eye(12, dtype=F64)
+    a[2] = -a[2]  # negative definite: Cholesky fails
+    rhs = torch.randn(4, 12, 3, generator=g, dtype=F64)
+    sol, ok = cholesky_solve_ex(a, rhs)
+    assert ok.tolist() == [True, True, False, True]
+    want = torch.linalg.solve(a, rhs)
+    assert rel(sol[ok], want[ok]) < 1e-10

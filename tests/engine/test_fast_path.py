@@ -396,6 +396,26 @@ def test_compact_fast_equals_compact(dtype, beta):
             assert errors[0] < 1.01 * errors[1] + (1e-5 if dtype == torch.float32 else 1e-3)
 
 
+@pytest.mark.parametrize("beta", [False, True])
+def test_compact_fast_has_no_host_sync(beta):
+    """One compaction over all rows (β's NNLS, C2's Cholesky and triangular solves) never waits
+    for the device from the host (``torch.cuda.set_sync_debug_mode("error")`` raises if it does)."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    rows, T, d, n = 16, 600, 128, 128
+    keys, values = (torch.randn(rows, T, d, generator=g, device=CUDA).to(torch.bfloat16) for _ in range(2))
+    queries = torch.randn(rows, n, d, generator=g, device=CUDA).to(torch.bfloat16)
+    bias = torch.randn(rows, T, generator=g, device=CUDA)
+    kw = dict(compute_beta=beta, scale=d**-0.5, key_bias=bias)
+    first = compact_fast(keys, values, queries, (50, 450), 100, **kw)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = compact_fast(keys, values, queries, (50, 450), 100, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out.indices, first.indices) and torch.equal(out.values, first.values)
+
+
 def output_error(keys, values, queries, span, result, key_bias) -> float:
     """Relative error of the probes' attention output over the compacted cache (float64)."""
     k, v, q = keys.double(), values.double(), queries.double()

@@ -14,7 +14,10 @@ all layers × KV heads at once, without materialising the probe × key logits:
    ``A = exp(S_sel − lse_span)`` and C2's design ``softmax(S_sel + β)``. β's NNLS runs on the Gram
    matrix ``AᵀA`` (one batched product, bf16 operands for half-precision caches) by a fixed
    number of FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
-   factorisation, no host sync); the ridge solve for C2 is the package's (batched Cholesky).
+   factorisation, no host sync); C2 solves the package's ridge normal equations by a batched
+   Cholesky factor and two triangular solves, also without a host sync: a problem that does not
+   factor (never seen with the ridge floor) keeps its selected rows' values instead of the
+   reference's pseudo-inverse fallback.
 
 Products of bf16 keys and queries are exact in the kernels' float32 accumulators, so the scores
 match the reference's float32 scores to rounding. Other modes, CPU tensors and machines without
@@ -27,7 +30,7 @@ import torch
 
 from compaction_gym.compaction import CompactionResult, compact
 from compaction_gym.compaction.beta import BETA_CLAMP
-from compaction_gym.compaction.values import ridge_solve
+from compaction_gym.compaction.values import cholesky_solve_ex, ridge_system
 from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
 
@@ -263,6 +266,9 @@ def compact_fast(
         x = torch.softmax(raw + beta[:, None, :], dim=-1)
     else:
         x = torch.softmax(biased, dim=-1)
-    fitted = ridge_solve(x, y, ridge).to(values.dtype)
-    kept_keys = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, d))
+    gather = indices[:, :, None].expand(-1, -1, d)
+    fitted, ok = cholesky_solve_ex(*ridge_system(x, y, ridge)[:2])
+    # no host sync: a problem whose normal equations do not factor keeps its selected rows' values
+    fitted = torch.where(ok[:, None, None], fitted.to(values.dtype), torch.gather(values, 1, gather))
+    kept_keys = torch.gather(keys, 1, gather)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)
