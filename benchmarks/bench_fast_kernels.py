@@ -11,7 +11,9 @@
   kernel (float32 / float16 ``Ĝ``) vs the torch FISTA loop and the
   package's projected Newton with 2 steps (the fast path's previous solver); objective relative to
   the converged projected Newton.
-* **Cholesky** — ``torch.linalg.cholesky_ex`` of ``[288, 256, 256]`` with cuSOLVER and MAGMA.
+* **Cholesky** — ``torch.linalg.cholesky_ex`` of ``[288, 256, 256]`` with cuSOLVER and MAGMA, and
+  C2's ridge solve of that system with 128 right-hand sides: ``cholesky_solve`` (before) vs the
+  fast path's factor + two triangular solves (``cholesky_solve_ex``), error vs float64.
 * ``--attention``: instead, a grid of decode-attention launches (splits, keys per step, warps,
   pipeline stages) at the runner's shapes (batch 1 / 32, KV 1k / 8k, one layer of a slot cache with
   several layers in rotation), against the runner's choice and the floor = KV bytes ÷ copy bandwidth.
@@ -337,7 +339,35 @@ def bench_cholesky(args) -> list[list[object]]:
         finally:
             torch.backends.cuda.preferred_linalg_library(prev)
         print(rows[-1], flush=True)
+    y = torch.randn(x.shape[0], x.shape[1], 128, device=x.device)  # C2's targets (d = 128)
+    for name, ms, err in c2_solves(a, x.mT @ y, args.repeats):
+        rows.append([name, ms, f"rel. error vs float64 {err:.1e}"])
+        print(rows[-1], flush=True)
     return rows
+
+
+def c2_solves(a: torch.Tensor, rhs: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
+    """C2's ridge system ``a c = rhs`` solved the old way (``cholesky_solve``: MAGMA's triangular
+    solves and a host check) and the fast path's (factor + two triangular solves, no host sync):
+    ms per solve (factorisation included) and relative error against a float64 solve."""
+    from gpu_shapes import wall_time
+
+    from compaction_gym.compaction.values import cholesky_solve_ex
+
+    ref = torch.linalg.solve(a.double(), rhs.double())
+
+    def old() -> torch.Tensor:
+        return torch.cholesky_solve(rhs, torch.linalg.cholesky_ex(a)[0])
+
+    def new() -> torch.Tensor:
+        return cholesky_solve_ex(a, rhs)[0]
+
+    out = []
+    for name, fn in (("C2 solve: cholesky_ex + cholesky_solve (before)", old), ("C2 solve: cholesky_solve_ex (used)", new)):
+        sol = fn()
+        t = statistics.median(wall_time(fn) for _ in range(repeats))
+        out.append((name, t * 1e3, ((sol.double() - ref).norm() / ref.norm()).item()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
