@@ -29,7 +29,7 @@ import statistics
 import sys
 
 import torch
-from gpu_shapes import QWEN3_SHAPES, device_line, print_table
+from gpu_shapes import QWEN3_SHAPES, device_line, print_table, wall_time
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -301,8 +301,6 @@ def bench_nnls(args) -> list[list[object]]:
         "FISTA kernel fp16 Ĝ, 96 it.": lambda: nnls_fista(gram, rhs, 96, g_dtype=torch.float16),
         "FISTA kernel fp16 Ĝ, 192 it.": lambda: nnls_fista(gram, rhs, 192, g_dtype=torch.float16),
     }
-    from gpu_shapes import wall_time
-
     rows = [["bf16 Gram (_gram)", statistics.median(wall_time(lambda: _gram(design.to(torch.bfloat16))) for _ in range(5)) * 1e3, ""]]
     rows.append(["fp32 Gram", statistics.median(wall_time(lambda: (design.mT @ design, design.sum(1))) for _ in range(5)) * 1e3, ""])
     torch_out = nnls_fista_torch(gram, rhs, 128, g_dtype=torch.float16)
@@ -319,13 +317,12 @@ def bench_nnls(args) -> list[list[object]]:
 
 @torch.no_grad()
 def bench_cholesky(args) -> list[list[object]]:
-    from gpu_shapes import wall_time
+    from compaction_gym.compaction.values import ridge_system
 
     design = nnls_problem()
     x = torch.softmax(torch.log(design), -1)
-    gram = x.mT @ x
-    lam = 1e-4 * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / gram.shape[-1]
-    a = gram + lam[:, None, None] * torch.eye(gram.shape[-1], device="cuda")
+    y = torch.randn(x.shape[0], x.shape[1], 128, device=x.device)  # C2's targets (d = 128)
+    a, rhs, _ = ridge_system(x, y, 1e-4)  # C2's normal equations
     rows = []
     prev = torch.backends.cuda.preferred_linalg_library()
     for lib in ("cusolver", "magma"):
@@ -339,8 +336,7 @@ def bench_cholesky(args) -> list[list[object]]:
         finally:
             torch.backends.cuda.preferred_linalg_library(prev)
         print(rows[-1], flush=True)
-    y = torch.randn(x.shape[0], x.shape[1], 128, device=x.device)  # C2's targets (d = 128)
-    for name, ms, err in c2_solves(a, x.mT @ y, args.repeats):
+    for name, ms, err in c2_solves(a, rhs, args.repeats):
         rows.append([name, ms, f"rel. error vs float64 {err:.1e}"])
         print(rows[-1], flush=True)
     return rows
@@ -350,8 +346,6 @@ def c2_solves(a: torch.Tensor, rhs: torch.Tensor, repeats: int) -> list[tuple[st
     """C2's ridge system ``a c = rhs`` solved the old way (``cholesky_solve``: MAGMA's triangular
     solves and a host check) and the fast path's (factor + two triangular solves, no host sync):
     ms per solve (factorisation included) and relative error against a float64 solve."""
-    from gpu_shapes import wall_time
-
     from compaction_gym.compaction.values import cholesky_solve_ex
 
     ref = torch.linalg.solve(a.double(), rhs.double())
