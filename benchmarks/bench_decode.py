@@ -68,8 +68,7 @@ def set_fusions(runner, mode: str) -> None:
     dec = runner.decoder
     dec.fuse_attention = {"default": None, "all": True, "off": False}[mode]
     dec.fuse_mlp = mode != "off"
-    runner._graphs.clear()
-    runner._pool = None
+    runner.recapture()
 
 
 def kv_bytes_per_token(layout) -> int:
@@ -192,8 +191,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             if args.compare_gemv and b <= GEMV_MAX_M:
                 for use in (False, True):  # recapture without, then again with the GEMVs
                     runner.decoder.use_gemv = use
-                    runner._graphs.clear()
-                    runner._pool = None
+                    runner.recapture()
                     if not use:
                         cublas = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
             unfused = ""

@@ -4,7 +4,9 @@
   ``decode_attention_ref`` and the two-kernel path;
 * the gate/up GEMV with the SiLU·mul epilogue vs ``silu_mul_ref(linear(x, gate_up))`` and vs the
   plain GEMV followed by ``silu_mul``;
-* the fast decoder with every projection on the GEMV and both fusions on vs the generic runner.
+* the fast decoder with every projection on the GEMV and both fusions on vs the generic runner;
+* greedy sampling's fused argmax + log-probability vs float64 ``log_softmax`` and a brute-force
+  first-maximum search.
 
 They run the Triton kernels: under ``TRITON_INTERPRET=1`` on CPU (small shapes), or on a CUDA
 device when one is present; without Triton, or on CPU without the interpreter, they skip. The
@@ -16,7 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compaction_gym.engine.fast.kernels import _COUNTERS, HAS_TRITON, _interpreting, silu_mul, silu_mul_ref
+from compaction_gym.engine.fast.kernels import (
+    _COUNTERS,
+    HAS_TRITON,
+    _interpreting,
+    argmax_logprob,
+    argmax_logprob_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 
 if not HAS_TRITON:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -90,6 +100,40 @@ def test_single_split_needs_no_workspace(monkeypatch):
     A.decode_attention(q, kc, vc, beta, slots, lens, 0.2, num_splits=4, block_n=16)
     A.decode_attention(q, kc, vc, beta, slots, lens, 0.2, num_splits=4, block_n=16, fused_merge=False)
     assert launches == ["_split_kernel", "_split_kernel", "_merge_kernel"]
+
+
+def _logits_with_ties(batch: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random logits with the cases a chunked argmax can get wrong planted in them."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, vocab, generator=g) * 4).to(dtype)
+    top = float(logits.float().max()) + 1
+    logits[0, vocab - 1] = logits[0, 3] = top  # equal maxima in the first and the last chunk
+    if batch > 1:
+        logits[1] = 0.5  # every logit equal: token 0, log-probability −log V
+    if batch > 2:
+        logits[2, : vocab // 2] = float("-inf")  # whole chunks of −inf
+        logits[2, vocab - 2] = logits[2, vocab - 5] = top + 2  # equal maxima inside one chunk
+    return logits
+
+
+@pytest.mark.parametrize(
+    "batch, vocab, block", [(1, 1000, 128), (5, 517, 64), (3, 4096, 4096), (4, 300, 4096), (32, 151936, 4096)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_argmax_logprob_matches_float64(batch, vocab, block, dtype):
+    """Tokens: the first maximum of each row (brute force); log-probabilities: float64 ``log_softmax``."""
+    if DEV.type == "cpu" and vocab > 10_000:
+        pytest.skip("the real vocabulary is slow under the interpreter")
+    logits = _logits_with_ties(batch, vocab, dtype, seed=vocab + batch)
+    tokens, logp = argmax_logprob(logits.to(DEV), block=block)
+    assert tokens.dtype == torch.long and logp.dtype == torch.float32 and tokens.shape == logp.shape == (batch,)
+    exact = logits.double()
+    first_max = [values.index(max(values)) for values in exact.tolist()]  # list.index: the first one
+    assert tokens.cpu().tolist() == first_max
+    want = exact.log_softmax(-1).gather(1, torch.tensor(first_max)[:, None])[:, 0]
+    assert torch.allclose(logp.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    ref_tok, ref_lp = argmax_logprob_ref(logits.to(DEV))  # the torch path it replaces
+    assert torch.equal(tokens, ref_tok) and torch.allclose(logp, ref_lp, rtol=1e-5, atol=1e-5)
 
 
 class _Spy:

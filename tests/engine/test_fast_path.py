@@ -302,8 +302,7 @@ def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
     fast.cache.k.copy_(saved[0])
     fast.cache.v.copy_(saved[1])
     fast.cache.lengths[:] = saved[2]
-    fast._graphs.clear()
-    fast._pool = None
+    fast.recapture()
     dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = True
     dec._tune = lambda x, w, b, act=None: ("gemv", {})  # every projection of the graph on the GEMV
     toks, lps = fast.generate(list(prompts), first, starts, greedy, 20)
@@ -337,8 +336,7 @@ def test_programmatic_dependent_launch_changes_nothing(tiny_model_path, monkeypa
         fast.cache.k.copy_(saved[0])
         fast.cache.v.copy_(saved[1])
         fast.cache.lengths[:] = saved[2]
-        fast._graphs.clear()
-        fast._pool = None
+        fast.recapture()
         out[pdl] = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 24)
     assert out["0"] == out["1"]
 

@@ -4,7 +4,9 @@
   stream) in the same pass;
 * :func:`qkv_rope_store` — per-head RMSNorm of q and k (Qwen3), rotary embedding, and the store
   of k/v straight into the slot cache (no intermediate copies);
-* :func:`silu_mul` — ``silu(gate) · up`` from the fused gate/up projection.
+* :func:`silu_mul` — ``silu(gate) · up`` from the fused gate/up projection;
+* :func:`argmax_logprob` — greedy decoding's token and its log-probability straight from the
+  model-dtype logits (two launches, no float32 copy of the logits).
 
 Roundings follow Hugging Face's modules (normalise in float32, round to the model dtype, then
 multiply by the weight; rotary products rounded one by one), so the fast path tracks the generic
@@ -97,6 +99,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def argmax_logprob_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`argmax_logprob`: ``argmax`` (first of equal maxima) and its float32 log-softmax."""
+    logits = logits.float()
+    best = logits.argmax(dim=-1)
+    return best, logits.gather(1, best[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
 # ------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
 
@@ -146,6 +155,42 @@ if HAS_TRITON:
         u = tl.load(GU + row * stride_gu + n + offs, mask=mask, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + row * stride_y + offs, (s * u).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _argmax_partial_kernel(
+        L, stride_l, vocab, PMAX, PSUM, PIDX, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):  # fmt: skip
+        """Per (row, chunk of ``BLOCK`` logits): the max, its first index and ``Σ exp(x − max)``."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(L + row * stride_l + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)  # a chunk of −inf sums to 0
+        out = row * n_chunks + chunk
+        tl.store(PMAX + out, m)
+        tl.store(PSUM + out, s)
+        tl.store(PIDX + out, chunk * BLOCK + i)
+
+    @triton.jit
+    def _argmax_merge_kernel(
+        PMAX, PSUM, PIDX, n_chunks, TOK, LOGP, BLOCK_C: tl.constexpr, PDL: tl.constexpr
+    ):  # fmt: skip
+        """Per row: the first chunk holding the max gives the token; ``−log Σ`` of the rescaled sums its log-probability."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK_C)
+        mask = c < n_chunks
+        pm = tl.load(PMAX + row * n_chunks + c, mask=mask, other=float("-inf"))
+        ps = tl.load(PSUM + row * n_chunks + c, mask=mask, other=0.0)
+        pi = tl.load(PIDX + row * n_chunks + c, mask=mask, other=0)
+        m = tl.max(pm, axis=0)
+        first = tl.min(tl.where(pm == m, c, BLOCK_C), axis=0)
+        token = tl.sum(tl.where(c == first, pi, 0), axis=0)
+        total = tl.sum(ps * tl.exp(pm - m), axis=0)
+        tl.store(TOK + row, token.to(tl.int64))
+        tl.store(LOGP + row, -tl.log(total))
 
     @triton.jit
     def _qkv_rope_store_kernel(
@@ -278,6 +323,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block, **pdl_kwargs(gate_up)
     )  # fmt: skip
     return y
+
+
+def argmax_logprob(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens ``[B]`` (int64; the first of equal maxima, as ``torch.argmax``) and their float32
+    log-probabilities ``[B]`` for logits ``[B, V]`` in any float dtype.
+
+    Two launches (per-chunk max / index / rescaled sum of ``block`` logits, then a per-row merge)
+    instead of converting the logits to float32 and reducing them three times.
+    """
+    if not _use_triton(logits):
+        return argmax_logprob_ref(logits)
+    assert logits.dim() == 2 and logits.stride(-1) == 1, "argmax_logprob needs [B, V] logits, last dim contiguous"
+    batch, vocab = logits.shape
+    block = min(block, triton.next_power_of_2(vocab))
+    n_chunks = triton.cdiv(vocab, block)
+    pmax = torch.empty(2, batch, n_chunks, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+    logp = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    pdl = pdl_kwargs(logits)
+    _argmax_partial_kernel[(batch, n_chunks)](
+        logits, logits.stride(0), vocab, pmax[0], pmax[1], pidx, n_chunks, BLOCK=block,
+        num_warps=4 if block >= 1024 else 1, **pdl,
+    )  # fmt: skip
+    _argmax_merge_kernel[(batch,)](
+        pmax[0], pmax[1], pidx, n_chunks, tokens, logp, BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
+        num_warps=1, **pdl,
+    )  # fmt: skip
+    return tokens, logp
 
 
 def qkv_rope_store(

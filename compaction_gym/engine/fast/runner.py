@@ -227,6 +227,12 @@ class FastModelRunner:
         self._graphs[key] = out
         return out
 
+    def recapture(self) -> None:
+        """Drop the captured decode graphs: the next decode step of each bucket captures again (after
+        changing the decoder's settings, e.g. its fusions or GEMV use)."""
+        self._graphs.clear()
+        self._pool = None
+
     def _ensure_positions(self, n: int) -> None:
         if n > self.decoder.cos.shape[0]:
             self.decoder.ensure_positions(n)

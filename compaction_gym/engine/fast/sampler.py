@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from compaction_gym.engine.config import SamplingParams
+from compaction_gym.engine.fast.kernels import argmax_logprob
 
 _M32 = 0xFFFFFFFF
 
@@ -90,15 +91,14 @@ def sample_device(
     Advances the counters of the ``B`` rows by one.
 
     Args:
-        greedy_only: every row is greedy (argmax only, nothing drawn).
+        greedy_only: every row is greedy (argmax only, nothing drawn: :func:`argmax_logprob`,
+            straight from the model-dtype logits).
         filtered: some row uses top-k/top-p (adds a sort over the vocabulary).
     """
+    if greedy_only:
+        return argmax_logprob(logits)
     logits = logits.float()
     batch = logits.shape[0]
-    best = logits.argmax(dim=-1)
-    if greedy_only:
-        chosen = logits.gather(1, best[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        return best, chosen
     temp = params.temperature[:batch]
     greedy = temp == 0
     scaled = logits / torch.where(greedy, 1.0, temp)[:, None]
