@@ -338,17 +338,17 @@ def argmax_logprob(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
     batch, vocab = logits.shape
     block = min(block, triton.next_power_of_2(vocab))
     n_chunks = triton.cdiv(vocab, block)
-    pmax = torch.empty(2, batch, n_chunks, dtype=torch.float32, device=logits.device)
+    partials = torch.empty(2, batch, n_chunks, dtype=torch.float32, device=logits.device)  # max, rescaled sum
     pidx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     logp = torch.empty(batch, dtype=torch.float32, device=logits.device)
     pdl = pdl_kwargs(logits)
     _argmax_partial_kernel[(batch, n_chunks)](
-        logits, logits.stride(0), vocab, pmax[0], pmax[1], pidx, n_chunks, BLOCK=block,
+        logits, logits.stride(0), vocab, partials[0], partials[1], pidx, n_chunks, BLOCK=block,
         num_warps=4 if block >= 1024 else 1, **pdl,
     )  # fmt: skip
     _argmax_merge_kernel[(batch,)](
-        pmax[0], pmax[1], pidx, n_chunks, tokens, logp, BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
+        partials[0], partials[1], pidx, n_chunks, tokens, logp, BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
         num_warps=1, **pdl,
     )  # fmt: skip
     return tokens, logp
