@@ -6,7 +6,10 @@ turn feeds 50–70 new tokens (an observation) and samples 20 (temperature 0.7, 
 ignored so every turn has the same length). Tokens/s = sampled tokens ÷ wall time of the turns
 (prefill of the inputs, decode and any compaction included).
 
-* **concurrent**: one ``step_batch`` over all sessions per turn;
+* **concurrent**: one ``step_batch`` over all sessions per turn; the runner decodes in chunks of
+  up to 32 steps on the device, one host synchronisation per chunk;
+* **concurrent, token by token**: the same with chunks of one step (the host samples, checks and
+  feeds every token: one synchronisation per token), the loop the chunks replaced;
 * **one by one**: the same turns as ``step`` calls, session after session (fresh sessions);
 * **concurrent + compaction**: KV-budget Attention Matching with β and suffix probes
   (``max_kv_len`` 512, window 256 → 64 rows), so events fire every few turns in every session.
@@ -114,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     for s in sids:
         engine.close(s)
     print(f"concurrent: {tok_c} tokens in {sec_c:.2f} s", flush=True)
+    chunk_steps, engine.runner.chunk_steps = engine.runner.chunk_steps, 1
+    sids = open_sessions(engine, n, args.prompt, plain, 0)
+    tok_1, sec_1, _ = run_turns(engine, sids, range(args.turns), sampling, batched=True)
+    for s in sids:
+        engine.close(s)
+    engine.runner.chunk_steps = chunk_steps
+    print(f"concurrent, token by token: {tok_1} tokens in {sec_1:.2f} s", flush=True)
     sids = open_sessions(engine, n, args.prompt, plain, 0)
     tok_s, sec_s, _ = run_turns(engine, sids, range(args.sequential_turns), sampling, batched=False)
     for s in sids:
@@ -126,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
     seq_tps = tok_s / sec_s
     rows.append([f"{n} sessions one by one", args.sequential_turns, tok_s, sec_s, seq_tps, 1.0, ""])
-    rows.append([f"{n} sessions concurrent", args.turns, tok_c, sec_c, tok_c / sec_c, tok_c / sec_c / seq_tps, ""])
+    rows.append([f"{n} sessions concurrent, token by token", args.turns, tok_1, sec_1, tok_1 / sec_1, tok_1 / sec_1 / seq_tps, "1 sync/token"])
+    rows.append([
+        f"{n} sessions concurrent", args.turns, tok_c, sec_c, tok_c / sec_c, tok_c / sec_c / seq_tps,
+        f"chunks of ≤ {chunk_steps} steps: {sec_1 / sec_c:.2f}× token by token",
+    ])  # fmt: skip
     rows.append([
         f"{n} sessions concurrent + AM β compaction", args.turns, tok_k, sec_k, tok_k / sec_k,
         tok_k / sec_k / seq_tps, f"{events} events, kv_len {min(kv_lens)}–{max(kv_lens)}",

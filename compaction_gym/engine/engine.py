@@ -16,7 +16,7 @@ from compaction_gym.engine.attention import ATTENTION_NAME, register_attention
 from compaction_gym.engine.compactor import Compactor, records_queries
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.model_runner import ModelLayout, ModelRunner
-from compaction_gym.engine.sampler import clone_generator, make_generator
+from compaction_gym.engine.sampler import SampleStream
 from compaction_gym.engine.scheduler import Scheduler, Work
 from compaction_gym.engine.session import ProbeRing, Session, SessionView
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -237,7 +237,7 @@ class Engine:
             for i, prompt, config, sampling, session_id in opens:
                 s = self._open(prompt, config, sampling, session_id)
                 created.append(s)
-                works[i] = Work(s, prompt, sampling, s.generator)
+                works[i] = Work(s, prompt, sampling, s.stream)
             return self.scheduler.run(works)
         except BaseException:
             for s in created:
@@ -291,14 +291,14 @@ class Engine:
         if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
             raise InvalidArgumentError("sampling must be a SamplingParams or None")
         new_ids = self._ids(req.new_ids, "new_ids")
-        params, gen = self.scheduler.generator_for(s, req.sampling)
+        params, stream = self.scheduler.stream_for(s, req.sampling)
         if req.response_complete and params.max_new_tokens != 0:
             raise InvalidArgumentError(
                 "response_complete=True means the input ends with a complete response: "
                 f"it needs max_new_tokens=0, got {params.max_new_tokens}"
             )
         self.scheduler.check(s, new_ids)
-        return Work(s, new_ids, params, gen, response_complete=bool(req.response_complete))
+        return Work(s, new_ids, params, stream, response_complete=bool(req.response_complete))
 
     def _open(
         self, prompt: list[int], config: CompactionConfig, sampling: SamplingParams, session_id: str
@@ -311,7 +311,7 @@ class Engine:
             slot=slot,
             config=config,
             sampling=sampling,
-            generator=make_generator(seed, self.device),
+            stream=SampleStream.fresh(seed),
             seed=seed,
             prompt_len=len(prompt),
             protected_rows=len(prompt) if config.protect_prompt else 0,
@@ -336,7 +336,7 @@ class Engine:
         for name in ("token_ids", "completion_mask", "logprobs", "events", "turn_starts"):
             setattr(new, name, list(getattr(src, name)))
         new.row_map = copy.deepcopy(src.row_map)
-        new.generator = clone_generator(src.generator)
+        new.stream = src.stream.clone()
         new.probes = src.probes.clone() if src.probes is not None else None
         new.last_logits = src.last_logits.clone() if src.last_logits is not None else None
         self.scheduler.sessions[new.session_id] = new

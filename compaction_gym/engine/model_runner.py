@@ -1,20 +1,30 @@
 """Runs batched forward passes of the HF model over slot rows (the nano-vllm model runner).
 
-One :meth:`ModelRunner.forward` feeds every row its own number of tokens (prefill, decode and
-injected messages alike): rows are left-padded to a common width ``N`` so that the last column
-holds each row's last token (``logits_to_keep=1``), and the attention context masks the padding,
-the causality inside the new tokens and each slot's length.
+A runner's contract (this generic runner and the fast one,
+:class:`~compaction_gym.engine.fast.FastModelRunner`):
+
+* :meth:`ModelRunner.forward` feeds every row its own number of tokens (prefill, decode and
+  injected messages alike) and returns each row's last logits. Here rows are left-padded to a
+  common width ``N`` so that the last column holds each row's last token (``logits_to_keep=1``),
+  and the attention context masks the padding, the causality inside the new tokens and each
+  slot's length.
+* :meth:`ModelRunner.decode_chunk` runs up to ``steps`` decode steps of many rows (feed a token,
+  sample the next, feed it back), each row stopping at its own limit or stop token; the fast
+  runner does it on the device with one host synchronisation per chunk, this one step by step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from compaction_gym.engine.attention import SlotCache
+from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.context import ForwardContext, forward_context
+from compaction_gym.engine.sampler import SampleStream, sample
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.errors import InvalidArgumentError
 
@@ -33,6 +43,31 @@ class RowFeed:
     token_ids: list[int]
     start: int
     recorder: QueryRecorder | None = None
+
+
+@dataclass
+class DecodeRow:
+    """One row of :meth:`ModelRunner.decode_chunk`.
+
+    The row feeds ``token`` (sampled earlier, not yet in the cache) at logical position ``start``
+    into ``slot``, samples the next token, feeds it, and so on; it stops after ``max_steps``
+    steps or after sampling one of ``stop_ids`` (returned, not fed). Sampling rows draw from
+    ``stream`` and advance it by one per token.
+    """
+
+    slot: int
+    token: int
+    start: int
+    max_steps: int
+    params: SamplingParams
+    stream: SampleStream | None = None
+    stop_ids: Collection[int] = ()
+    recorder: QueryRecorder | None = None
+
+
+def cut_at_stop(tokens: list[int], limit: int, stop_ids: Collection[int]) -> int:
+    """How many of ``tokens`` a row keeps: its first ``limit``, up to and including the first stop id."""
+    return next((i + 1 for i, t in enumerate(tokens[:limit]) if t in stop_ids), min(limit, len(tokens)))
 
 
 @dataclass(frozen=True)
@@ -81,6 +116,9 @@ class ModelLayout:
 
 class ModelRunner:
     """Owns the model and the slot cache; turns :class:`RowFeed` batches into next-token logits."""
+
+    #: most decode steps the scheduler asks of one :meth:`decode_chunk`
+    chunk_steps = 32
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, layout: ModelLayout) -> None:
         self.model = model
@@ -148,6 +186,30 @@ class ModelRunner:
         if recording:
             self._push_queries(rows, sizes, recording, ctx)
         return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def decode_chunk(self, rows: list[DecodeRow], steps: int) -> list[tuple[list[int], list[float]]]:
+        """Up to ``steps`` decode steps of every row (see :class:`DecodeRow`), one forward per step.
+
+        Returns each row's sampled tokens and log-probabilities (``m ≥ 1`` of them: its limit,
+        ``steps``, or up to its stop token). Its slot grows by the ``m`` tokens fed (its
+        ``token`` and all sampled tokens but the last, which stays pending).
+        """
+        assert rows and steps >= 1 and all(r.max_steps >= 1 for r in rows)
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
+        live = list(range(len(rows)))
+        for j in range(steps):
+            feeds = [RowFeed(rows[b].slot, [out[b][0][-1] if j else rows[b].token], rows[b].start + j, rows[b].recorder) for b in live]
+            tokens, logprobs = sample(
+                self.forward(feeds), [rows[b].params for b in live], [rows[b].stream for b in live]
+            )
+            for b, tok, lp in zip(live, tokens, logprobs):
+                out[b][0].append(tok)
+                out[b][1].append(lp)
+            live = [b for b in live if j + 1 < rows[b].max_steps and out[b][0][-1] not in rows[b].stop_ids]
+            if not live:
+                break
+        return out
 
     def _mask(self, lens: list[int], sizes: list[int], width: int, kv_len: int) -> torch.Tensor:
         """Additive mask ``[B, 1, G * N, kv_len]``: column ``c`` of row ``b`` sees rows ``<= len_b + i``.

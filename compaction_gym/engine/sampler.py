@@ -1,38 +1,69 @@
-"""Per-row sampling with per-request RNG streams.
+"""Per-row sampling with per-request random streams.
 
-Each row of a batch has its own :class:`SamplingParams` and its own ``torch.Generator``, so a
+Each row of a batch has its own :class:`SamplingParams` and its own :class:`SampleStream`, so a
 session's tokens do not depend on what else is in the batch (no shared global RNG).
 
 Log-probabilities are those of the *sampling distribution*: logits divided by the temperature,
 restricted to the top-k tokens and then to the top-p nucleus, renormalised. Greedy rows
 (``temperature == 0``) report the plain ``log_softmax`` of the logits.
 
-A row draws exactly one uniform number per token from its generator and inverts the CDF of its
-distribution, which keeps the stream position independent of the distribution's shape.
+A sampling row draws exactly one uniform number per token and inverts the CDF of its
+distribution. The uniform is counter-based: draw ``k`` of a stream is a hash of ``(seed, k)``
+(:func:`counter_uniform`), so the device sampler of the fast path
+(:mod:`compaction_gym.engine.fast.sampler`) draws the very same numbers inside a CUDA graph, and
+the generic and fast paths sample the same tokens for a seed (up to floating-point differences
+in the logits).
 """
 
 from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
 
 import torch
 
 from compaction_gym.engine.config import SamplingParams
 
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator for one request stream (``seed=None``: seeded from the OS entropy pool)."""
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(int(seed))
-    return gen
+_M32 = 0xFFFFFFFF
 
 
-def clone_generator(gen: torch.Generator) -> torch.Generator:
-    """An independent generator at the same stream position (fork)."""
-    new = torch.Generator(device=gen.device)
-    new.set_state(gen.get_state())
-    return new
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x · m mod 2³²`` for ``x`` in ``[0, 2³²)`` without int64 overflow."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * m + (((hi * m) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32: xor-shift, multiply, xor-shift, multiply, xor-shift)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 numbers in ``[0, 1)`` from int64 ``seed`` and ``counter`` tensors (24 bits)."""
+    a = _mix32((seed & _M32) ^ _mix32(counter & _M32))
+    b = _mix32(a ^ ((seed >> 32) & _M32) ^ _mix32((counter >> 32) ^ 0x9E3779B9))
+    return (b >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SampleStream:
+    """One random stream: draw ``counter`` of ``seed`` comes next (samplers advance ``counter``)."""
+
+    seed: int
+    counter: int = 0
+
+    @classmethod
+    def fresh(cls, seed: int | None) -> SampleStream:
+        """A stream at its start (``seed=None``: a seed from the OS entropy pool)."""
+        return cls(secrets.randbits(62) if seed is None else int(seed) % (1 << 62))
+
+    def clone(self) -> SampleStream:
+        """An independent stream at the same position (fork)."""
+        return SampleStream(self.seed, self.counter)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -64,12 +95,13 @@ def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> t
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], streams: list[SampleStream | None]
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of ``logits`` ``[B, V]``.
 
     Args:
-        generators: one per row; only rows with ``temperature > 0`` use theirs (greedy rows may pass ``None``).
+        streams: one per row; only rows with ``temperature > 0`` draw from theirs (and advance
+            it by one); greedy rows may pass ``None``.
 
     Returns:
         ``(tokens, logprobs)``: the chosen ids and their log-probabilities under the sampling
@@ -79,12 +111,13 @@ def sample(
     tokens = logp.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:  # only sampling rows draw, one uniform each, from their own stream
-        draws = torch.stack(
-            [torch.rand((), generator=generators[i], device=generators[i].device) for i in rows]
-        )
+        seeds = torch.tensor([streams[i].seed for i in rows], dtype=torch.long)
+        counters = torch.tensor([streams[i].counter for i in rows], dtype=torch.long)
+        for i in rows:
+            streams[i].counter += 1
         idx = torch.tensor(rows, device=logits.device)
         cdf = logp[idx].exp().cumsum(dim=-1)
-        u = draws.to(logits.device) * cdf[:, -1]
+        u = counter_uniform(seeds, counters).to(logits.device) * cdf[:, -1]
         picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
         # float round-off must never land on a zero-probability token
         bad = torch.isinf(logp[idx].gather(1, picked[:, None]).squeeze(1))

@@ -7,9 +7,15 @@
    are appended.
 2. **Prefill** — one batched forward (chunked at ``prefill_chunk`` tokens) feeds every session's
    pending tokens; rows with nothing to feed reuse the logits kept from their last call.
-3. **Decode** — each round samples one token per active row (its own parameters and RNG stream),
-   checks the stop conditions, compacts where the KV budget is reached, and feeds all still
-   active rows in one batched forward (rows with an injected message feed more than one token).
+3. **Decode** — rows holding logits sample one token each (their own parameters and random
+   stream); rows with one pending token run a *chunk* of decode steps on the runner
+   (:meth:`~compaction_gym.engine.model_runner.ModelRunner.decode_chunk`: on the fast path up to
+   32 steps on the device per host synchronisation), each row limited to the steps it can take
+   before the host must act — its ``max_new_tokens``, its budget, the next KV-budget event or a
+   full slot — and stopped on the device by its stop tokens. After each token the same checks
+   run on the host: stop, budget, length, then KV-budget compaction to make room for the next
+   token (an event's budget message makes the row feed several tokens: a batched forward, then
+   it samples again from the logits).
 4. **After the response** — turn-based compaction (and its budget message) per session that
    sampled tokens, or whose input ended with a complete (teacher-forced) response.
 
@@ -29,8 +35,8 @@ import torch
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.engine.compactor import Compactor
 from compaction_gym.engine.config import SamplingParams
-from compaction_gym.engine.model_runner import ModelRunner, RowFeed
-from compaction_gym.engine.sampler import make_generator, sample
+from compaction_gym.engine.model_runner import DecodeRow, ModelRunner, RowFeed
+from compaction_gym.engine.sampler import SampleStream, sample
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.engine.types import StepResult
@@ -44,7 +50,7 @@ class Work:
     session: Session
     new_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    stream: SampleStream
     response_complete: bool = False
     out_start: int = 0
     sampled: int = 0
@@ -91,15 +97,13 @@ class Scheduler:
         return self.cache.lengths[s.slot]
 
     # ------------------------------------------------------------- stepping
-    def generator_for(
-        self, s: Session, sampling: SamplingParams | None
-    ) -> tuple[SamplingParams, torch.Generator]:
-        """Request parameters and RNG stream: a request seed starts a fresh stream, else the session's."""
+    def stream_for(self, s: Session, sampling: SamplingParams | None) -> tuple[SamplingParams, SampleStream]:
+        """Request parameters and random stream: a request seed starts a fresh stream, else the session's."""
         if sampling is None:
-            return s.sampling, s.generator
+            return s.sampling, s.stream
         if sampling.seed is not None:
-            return sampling, make_generator(sampling.seed, self.runner.device)
-        return sampling, s.generator
+            return sampling, SampleStream.fresh(sampling.seed)
+        return sampling, s.stream
 
     def check(self, s: Session, new_ids: list[int]) -> None:
         """Raise before any state changes if a step on ``s`` cannot run.
@@ -225,34 +229,94 @@ class Scheduler:
                 s.last_response = (len(s.token_ids), len(s.token_ids))
                 active.append(w)
         while active:
-            tokens, logprobs = sample(
-                torch.stack([w.logits for w in active]),
-                [w.params for w in active],
-                [w.generator for w in active],
-            )
-            running = []
-            for w, tok, lp in zip(active, tokens, logprobs):
-                s = w.session
-                s.append([tok], sampled=True, logprobs=[lp])
-                s.last_response = (s.last_response[0], len(s.token_ids))
-                w.sampled += 1
-                budget = s.config.max_total_tokens
-                if tok in w.stop_ids:
-                    self._finish(w, "stop")
-                elif budget is not None and s.generated >= budget:
-                    self._finish(w, "budget")
-                elif w.sampled >= w.params.max_new_tokens:
-                    self._finish(w, "length")
-                else:
-                    _, message = self._compact_for(w, len(s.pending))
-                    if message:
-                        self._inject(w, message)
-                    if self.kv_len(s) + len(s.pending) > self.cache.capacity:
-                        self._finish(w, "length")
-                    else:
-                        running.append(w)
-            self._feed(running)
-            active = running
+            holding = [w for w in active if w.logits is not None]
+            if holding:
+                tokens, logprobs = sample(
+                    torch.stack([w.logits for w in holding]), [w.params for w in holding], [w.stream for w in holding]
+                )
+                for w, tok, lp in zip(holding, tokens, logprobs):
+                    w.logits = None
+                    if self._take_token(w, tok, lp):
+                        self._room_for_next(w)
+            active = [w for w in active if w.finish is None]
+            self._feed([w for w in active if len(w.session.pending) > 1])
+            self._decode_chunk([w for w in active if len(w.session.pending) == 1])
+            active = [w for w in active if w.finish is None]
+
+    def _decode_chunk(self, works: list[Work]) -> None:
+        """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed."""
+        if not works:
+            return
+        limits = [self._free_steps(w, self.runner.chunk_steps) for w in works]
+        rows = [
+            DecodeRow(w.session.slot, w.session.pending[0], w.session.fed, n, w.params, w.stream, w.stop_ids, w.session.probes)
+            for w, n in zip(works, limits)
+        ]  # fmt: skip
+        decoded = self.runner.decode_chunk(rows, max(limits))
+        for w, (tokens, logprobs) in zip(works, decoded):
+            s = w.session
+            s.row_map.append(s.fed, len(tokens))  # fed: the pending token and every sampled one but the last
+            s.fed += len(tokens)
+            s.last_logits = None
+            for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+                going_on = self._take_token(w, tok, lp)
+                assert going_on or i == len(tokens) - 1, "a row ran past its stop"
+            if going_on:
+                self._room_for_next(w)
+
+    def _free_steps(self, w: Work, horizon: int) -> int:
+        """Decode steps ``w`` may run before the host must act (at least 1, at most ``horizon``).
+
+        Its remaining ``max_new_tokens`` and budget bound it, and so does the first step after
+        which feeding the sampled token needs a KV-budget event or overflows the slot (both only
+        grow with the cache, so a bisection over the steps finds it).
+        """
+        s = w.session
+        n = min(horizon, w.params.max_new_tokens - w.sampled)
+        if s.config.max_total_tokens is not None:
+            n = min(n, s.config.max_total_tokens - s.generated)
+        kv0 = self.kv_len(s)  # before feeding the pending token; after step j it holds kv0 + j rows
+
+        def blocked(j: int) -> bool:
+            return kv0 + j + 1 > self.cache.capacity or bool(self.compactor.plan_room(s, 1, kv0 + j)[0])
+
+        if not blocked(n):
+            return n
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if blocked(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _take_token(self, w: Work, tok: int, logprob: float) -> bool:
+        """Append a sampled token; end the response on a stop token, the budget or ``max_new_tokens``.
+
+        Returns whether the response goes on.
+        """
+        s = w.session
+        s.append([tok], sampled=True, logprobs=[logprob])
+        s.last_response = (s.last_response[0], len(s.token_ids))
+        w.sampled += 1
+        budget = s.config.max_total_tokens
+        if tok in w.stop_ids:
+            self._finish(w, "stop")
+        elif budget is not None and s.generated >= budget:
+            self._finish(w, "budget")
+        elif w.sampled >= w.params.max_new_tokens:
+            self._finish(w, "length")
+        return w.finish is None
+
+    def _room_for_next(self, w: Work) -> None:
+        """KV-budget compaction (and its budget message) so the pending tokens fit; ``length`` if the slot is full."""
+        s = w.session
+        _, message = self._compact_for(w, len(s.pending))
+        if message:
+            self._inject(w, message)
+        if self.kv_len(s) + len(s.pending) > self.cache.capacity:
+            self._finish(w, "length")
 
     def _finish(self, w: Work, reason: str) -> None:
         w.finish = reason

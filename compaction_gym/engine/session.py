@@ -16,6 +16,7 @@ import torch
 
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.sampler import SampleStream
 
 
 @dataclass
@@ -151,7 +152,7 @@ class Session:
     slot: int
     config: CompactionConfig
     sampling: SamplingParams
-    generator: torch.Generator | None
+    stream: SampleStream
     seed: int
     prompt_len: int
     protected_rows: int

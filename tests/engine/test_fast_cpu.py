@@ -13,9 +13,10 @@ import torch
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast import FastModelRunner, graph_buckets, unsupported_reason
 from compaction_gym.engine.fast.kernels import HAS_TRITON, _interpreting
-from compaction_gym.engine.fast.sampler import DeviceSampling, counter_uniform, sample_device
-from compaction_gym.engine.model_runner import ModelLayout, ModelRunner, RowFeed
-from compaction_gym.engine.sampler import sampling_logprobs
+from compaction_gym.engine.fast.sampler import DeviceSampling, sample_device
+from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, ModelRunner, RowFeed
+from compaction_gym.engine.sampler import SampleStream, counter_uniform, sample, sampling_logprobs
+from compaction_gym.engine.session import ProbeRing
 from compaction_gym.engine.slot_cache import SlotKVCache
 
 
@@ -68,6 +69,57 @@ def test_generate_equals_greedy_loop(runners):
     assert all(lp <= 0 for row in lps for lp in row)
 
 
+def _chunk_rows(layout, stops: dict[int, frozenset[int]]) -> list[DecodeRow]:
+    def ring():
+        return ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 6, torch.float32, torch.device("cpu"))
+
+    SP = SamplingParams
+    return [
+        DecodeRow(0, 31, 20, 9, SP(temperature=0.0)),
+        DecodeRow(1, 32, 7, 12, SP(temperature=0.9, top_k=20), SampleStream(5), recorder=ring()),
+        DecodeRow(2, 33, 15, 30, SP(temperature=0.0), stop_ids=stops[2]),
+        DecodeRow(3, 34, 4, 30, SP(temperature=1.2, top_p=0.8), SampleStream(6, 40), stops[3], ring()),
+    ]
+
+
+def test_decode_chunk_equals_generic_runner(runners):
+    """The device loop (stops and limits applied on the device, per-step query recording) against
+    the generic runner's step-by-step chunk: same tokens, streams, cache, recorded queries."""
+    generic, fast = runners
+    prompts = {0: range(10, 30), 1: range(40, 47), 2: range(60, 75), 3: range(5, 9)}
+    for r in (generic, fast):
+        r.forward([RowFeed(s, list(p), 0) for s, p in prompts.items()])
+    # stop ids that end rows 2 and 3 mid-chunk: tokens the generic runner samples there (dry run)
+    saved = generic.cache.k.clone(), generic.cache.v.clone(), list(generic.cache.lengths)
+    dry = generic.decode_chunk(_chunk_rows(generic.layout, {2: frozenset(), 3: frozenset()}), 5)
+    generic.cache.k.copy_(saved[0]), generic.cache.v.copy_(saved[1])
+    generic.cache.lengths[:] = saved[2]
+    stops = {2: frozenset({dry[2][0][3], 9999}), 3: frozenset({dry[3][0][2]})}
+    results = {}
+    for r in (generic, fast):
+        rows = _chunk_rows(r.layout, stops)
+        first = r.decode_chunk(rows, 5)
+        going_on = [b for b, (t, _) in enumerate(first) if len(t) == 5 and rows[b].max_steps > 5]
+        more = [DecodeRow(rows[b].slot, first[b][0][-1], rows[b].start + 5, rows[b].max_steps - 5, rows[b].params,
+                          rows[b].stream, rows[b].stop_ids, rows[b].recorder) for b in going_on]  # fmt: skip
+        second = r.decode_chunk(more, 32)
+        results[r] = (first, second, rows)
+    (g1, g2, grows), (f1, f2, frows) = results[generic], results[fast]
+    assert [len(t) for t, _ in g1] == [5, 5, 4, 3] and [len(t) for t, _ in g2] == [4, 7]
+    for a, b in zip(g1 + g2, f1 + f2):
+        assert a[0] == b[0]
+        assert max(abs(x - y) for x, y in zip(a[1], b[1])) < 1e-4
+    assert [r.stream and r.stream.counter for r in grows] == [r.stream and r.stream.counter for r in frows]
+    assert grows[1].stream.counter == 12 and grows[3].stream.counter == 43
+    assert generic.cache.lengths == fast.cache.lengths == [29, 19, 19, 7]
+    for slot, n in enumerate(generic.cache.lengths):
+        assert torch.allclose(generic.cache.k[slot, :, :, :n], fast.cache.k[slot, :, :, :n], atol=1e-5)
+    for b, fed in ((1, 12), (3, 3)):  # the queries of the last 6 tokens each row fed, in order
+        (q_g, span_g), (q_f, span_f) = grows[b].recorder.select(0), frows[b].recorder.select(0)
+        assert span_g == span_f == (grows[b].start + fed - min(fed, 6), grows[b].start + fed)
+        assert torch.allclose(q_g, q_f, atol=1e-5)
+
+
 def test_unsupported_reason(tiny_model):
     assert unsupported_reason(tiny_model) is None
     assert unsupported_reason(torch.nn.Linear(2, 2)) == "the model has no config"
@@ -83,6 +135,21 @@ def test_counter_uniform_is_uniform_and_reproducible():
     assert (hist - 2000).abs().max() < 200
     assert torch.equal(u, counter_uniform(seeds, torch.arange(20000)))
     assert not torch.equal(u, counter_uniform(seeds + 1, torch.arange(20000)))
+
+
+def test_device_and_host_samplers_share_the_stream():
+    """Same seeds and counters, same logits: the device sampler picks the host sampler's tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 80, generator=g) * 2
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.1, top_k=9), SamplingParams(temperature=1.0, top_p=0.7)]
+    streams = [SampleStream(11), SampleStream(12, 5), SampleStream(2**61 + 3, 7)]
+    state = DeviceSampling(3, torch.device("cpu"))
+    state.set(params, [st.seed for st in streams], [st.counter for st in streams])
+    for _ in range(50):
+        host, host_lp = sample(logits, params, streams)
+        dev, dev_lp = sample_device(logits, state, greedy_only=False, filtered=True)
+        assert dev.tolist() == host and torch.allclose(dev_lp, torch.tensor(host_lp), atol=1e-6)
+    assert [st.counter for st in streams] == state.counter.tolist() == [50, 55, 57]
 
 
 def test_device_sampler_matches_sampling_distribution():
@@ -129,3 +196,44 @@ def test_nnls_fista_reaches_the_nnls_optimum():
         return ((a @ w[:, :, None])[..., 0] - 1).pow(2).sum(-1)
 
     assert bool((objective(w) <= 1.01 * objective(nnls(gram, rhs)) + 1e-9).all())
+
+
+def _play(tiny_model_path, fast: bool, chunk_steps: int) -> list:
+    """Sessions through KV-budget events with suffix probes and budget messages, a stop token,
+    sampled and greedy rows, on an engine whose runner runs ``chunk_steps``-step chunks."""
+    from compaction_gym.engine import CompactionConfig, Engine, StepRequest
+
+    eng = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cpu", max_slots=3, capacity=400)
+    if fast:  # the fast runner on CPU: its torch references, no graphs (Engine(fast=True) needs CUDA)
+        eng.runner = eng.scheduler.runner = FastModelRunner(eng.model, eng.cache, eng.layout, cuda_graphs=False, chunk_steps=chunk_steps)
+    else:
+        eng.runner.chunk_steps = chunk_steps
+    am = CompactionConfig(mode="attention_matching", max_kv_len=136, compact_window=96, n_probe_queries=16,
+                          inject_budget_message=True, max_total_tokens=150)  # fmt: skip
+    h2o = CompactionConfig(mode="h2o", max_kv_len=64, compact_window=32, n_probe_queries=24)
+    a = eng.create_session(list(range(20, 44)), am, SamplingParams(temperature=0.9, top_k=30, seed=1, max_new_tokens=120, ignore_eos=True))
+    b = eng.create_session(list(range(50, 60)), h2o, SamplingParams(temperature=0.0, max_new_tokens=0))
+    c = eng.create_session(list(range(7, 30)), None, SamplingParams(temperature=0.0, max_new_tokens=23, ignore_eos=True))
+    stops = tuple(range(3, eng.layout.vocab_size, 9))  # a few tokens in
+    rs = eng.step_batch([
+        StepRequest(a.session_id, list(range(300, 340))),
+        StepRequest(b.session_id, list(range(60, 75)), SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)),
+        StepRequest(c.session_id, [5, 6], SamplingParams(temperature=1.0, seed=4, max_new_tokens=40, stop_token_ids=stops)),
+    ])  # fmt: skip
+    return [a, b, c, *rs]
+
+
+def test_engine_results_do_not_depend_on_runner_or_chunk_length(tiny_model_path):
+    """Chunks of 1 step are the token-by-token loop; 5 and 32 steps cut the responses differently
+    (events and stops inside and at the ends of chunks): same tokens, events and finish reasons,
+    on the generic runner and on the fast runner's device loop."""
+    ref = _play(tiny_model_path, fast=False, chunk_steps=1)
+    assert sum(len(r.events) for r in ref) >= 4 and any(r.inject_ranges for r in ref)
+    assert ref[-1].finish_reason == "stop" and len(ref[-1].token_ids) > 3
+    for fast, chunk in ((False, 5), (False, 32), (True, 1), (True, 5), (True, 32)):
+        for want, got in zip(ref, _play(tiny_model_path, fast, chunk)):
+            assert (got.token_ids, got.finish_reason, got.kv_len) == (want.token_ids, want.finish_reason, want.kv_len)
+            assert got.inject_ranges == want.inject_ranges
+            assert [torch.equal(e1.indices, e2.indices) for e1, e2 in zip(want.events, got.events)] == [True] * len(want.events)
+            assert len(got.events) == len(want.events)
+            assert max((abs(x - y) for x, y in zip(want.logprobs, got.logprobs)), default=0) < 1e-4

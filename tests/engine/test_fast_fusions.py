@@ -6,7 +6,8 @@
   plain GEMV followed by ``silu_mul``;
 * the fast decoder with every projection on the GEMV and both fusions on vs the generic runner;
 * greedy sampling's fused argmax + log-probability vs float64 ``log_softmax`` and a brute-force
-  first-maximum search.
+  first-maximum search;
+* the decode step's bookkeeping (record, stop, feed back) vs a row-by-row Python version.
 
 They run the Triton kernels: under ``TRITON_INTERPRET=1`` on CPU (small shapes), or on a CUDA
 device when one is present; without Triton, or on CPU without the interpreter, they skip. The
@@ -24,6 +25,8 @@ from compaction_gym.engine.fast.kernels import (
     _interpreting,
     argmax_logprob,
     argmax_logprob_ref,
+    decode_advance,
+    decode_advance_ref,
     silu_mul,
     silu_mul_ref,
 )
@@ -134,6 +137,46 @@ def test_argmax_logprob_matches_float64(batch, vocab, block, dtype):
     assert torch.allclose(logp.cpu().double(), want, rtol=1e-5, atol=1e-5)
     ref_tok, ref_lp = argmax_logprob_ref(logits.to(DEV))  # the torch path it replaces
     assert torch.equal(tokens, ref_tok) and torch.allclose(logp, ref_lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 40])
+@pytest.mark.parametrize("n_stops", [0, 3])
+def test_decode_advance_matches_row_by_row(batch, n_stops):
+    """Each live row records its sample at column ``step``, stops on a stop id or its last step
+    (length 0, slot −1), else advances position, row and length; stopped and padding rows stay."""
+    g = torch.Generator().manual_seed(batch + n_stops)
+    tokens = torch.randint(0, 50, (batch,), generator=g)
+    logprobs = -torch.rand(batch, generator=g)
+    lens = torch.randint(0, 4, (batch,), generator=g) * torch.randint(1, 90, (batch,), generator=g)  # some 0
+    lens[0] = 5
+    state = torch.stack([
+        torch.randint(0, 50, (batch,), generator=g), torch.randint(0, 900, (batch,), generator=g),
+        torch.where(lens > 0, torch.randint(0, 8, (batch,), generator=g), -1), lens - 1, lens,
+        torch.randint(1, 4, (batch,), generator=g),
+        *[torch.where(torch.rand(batch, generator=g) < 0.3, tokens, torch.randint(-1, 50, (batch,), generator=g))
+          for _ in range(n_stops)],
+    ])  # fmt: skip
+    state[5, 0] = 1  # row 0 uses its last step
+    cols, step = 6, 2
+    out_tok = torch.full((batch, cols), -7)
+    out_lp = torch.zeros(batch, cols)
+    want_state, want_tok, want_lp = state.clone(), out_tok.clone(), out_lp.clone()
+    for b in range(batch):
+        ids, pos, slot, row, n, left, *stops = state[:, b].tolist()
+        tok = int(tokens[b])
+        want_tok[b, step], want_lp[b, step] = tok, logprobs[b]
+        if n > 0:
+            left -= 1
+            stopped = tok in stops or left <= 0
+            want_state[:, b] = torch.tensor([tok, pos + 1, -1 if stopped else slot, row + 1, 0 if stopped else n + 1, left, *stops])
+        else:
+            want_state[0, b] = tok
+    for impl in (decode_advance, decode_advance_ref):
+        st, ot, ol, sp = state.clone().to(DEV), out_tok.clone().to(DEV), out_lp.clone().to(DEV), torch.tensor([step], device=DEV)
+        impl(tokens.to(DEV), logprobs.to(DEV), st, ot, ol, sp)
+        assert torch.equal(st.cpu(), want_state) and torch.equal(ot.cpu(), want_tok)
+        assert torch.equal(ol.cpu(), want_lp) and int(sp) == step + 1
+    assert int((want_state[4] == 0).sum()) > int((lens == 0).sum())  # some rows stopped
 
 
 class _Spy:

@@ -455,12 +455,66 @@ def test_engine_fast_equals_generic(tiny_model_path, mode):
         rs = eng.step_batch([StepRequest(a.session_id, list(range(5, 70))), StepRequest(b.session_id, [7, 8, 9])])
         out[fast] = [a, b, *rs]
     for r_gen, r_fast in zip(out[False], out[True]):
-        assert r_gen.token_ids == r_fast.token_ids
+        assert r_gen.token_ids == r_fast.token_ids and r_gen.finish_reason == r_fast.finish_reason
         assert len(r_gen.events) == len(r_fast.events)
         for e1, e2 in zip(r_gen.events, r_fast.events):
             assert torch.equal(e1.indices, e2.indices)
         assert max(abs(x - y) for x, y in zip(r_gen.logprobs, r_fast.logprobs)) < 1e-3
     assert sum(len(r.events) for r in out[True]) > 0
+
+
+def test_engine_fast_samples_the_generic_stream(tiny_model_path):
+    """Sampled sessions (float32): the device sampler draws the generic sampler's stream, so the
+    fast engine samples the generic engine's tokens, stops included."""
+    engines = {
+        fast: Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cuda", max_slots=4, capacity=1024, fast=fast)
+        for fast in (False, True)
+    }
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=128, compact_window=64)
+    params = [SP(temperature=0.8, top_k=40, seed=1, max_new_tokens=90, ignore_eos=True),
+              SP(temperature=1.0, top_p=0.9, seed=2, max_new_tokens=90, stop_token_ids=tuple(range(5, 300, 40)))]  # fmt: skip
+    out = {}
+    for fast, eng in engines.items():
+        out[fast] = [eng.create_session(list(range(20 + 9 * i, 60 + 9 * i)), cfg, p) for i, p in enumerate(params)]
+    for r_gen, r_fast in zip(out[False], out[True]):
+        assert (r_gen.token_ids, r_gen.finish_reason) == (r_fast.token_ids, r_fast.finish_reason)
+        assert max(abs(x - y) for x, y in zip(r_gen.logprobs, r_fast.logprobs)) < 1e-3
+    assert out[True][0].events
+
+
+def test_engine_decode_syncs_once_per_chunk(tiny_model_path, monkeypatch):
+    """Decode through ``Engine.step`` waits for the device a few times per 32-step chunk, not per
+    token: counting the synchronising calls ``torch.cuda.set_sync_debug_mode`` sees (pageable
+    copies, ``tolist``) and every ``Event.synchronize``, 64 more tokens add a handful, where the
+    token-by-token loop (chunks of one step) adds 64 or more."""
+    import warnings
+
+    waits = []
+    plain_wait = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), plain_wait(self))[1])
+    eng = Engine.from_pretrained(tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=2, capacity=1024)
+    sid = eng.create_session(list(range(20, 60)), None, SP(temperature=0.0, max_new_tokens=8)).session_id
+
+    def syncs(new_tokens: int) -> int:
+        params = SP(temperature=0.7, seed=new_tokens, max_new_tokens=new_tokens, ignore_eos=True)
+        torch.cuda.synchronize()
+        waits.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                r = eng.step(sid, [7, 8, 9], params)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert len(r.token_ids) == new_tokens
+        return len(waits) + sum("synchronizing" in str(w.message) for w in caught)
+
+    syncs(32)  # captures the graphs
+    few, many = syncs(32), syncs(96)
+    eng.runner.chunk_steps = 1  # the token-by-token loop, for scale
+    per_token = syncs(96) - syncs(32)
+    print(f"waits for the device: 32 tokens {few}, 96 tokens {many}; token by token: +{per_token} for 64 tokens")
+    assert many - few <= 8 and per_token >= 64
 
 
 def test_engine_fast_bf16_with_beta_runs(tiny_model_path):

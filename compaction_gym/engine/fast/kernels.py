@@ -6,7 +6,9 @@
   of k/v straight into the slot cache (no intermediate copies);
 * :func:`silu_mul` — ``silu(gate) · up`` from the fused gate/up projection;
 * :func:`argmax_logprob` — greedy decoding's token and its log-probability straight from the
-  model-dtype logits (two launches, no float32 copy of the logits).
+  model-dtype logits (two launches, no float32 copy of the logits);
+* :func:`decode_advance` — the decode step's bookkeeping in one launch: store the sampled token,
+  stop rows at a stop token or their step limit, feed the token back.
 
 Roundings follow Hugging Face's modules (normalise in float32, round to the model dtype, then
 multiply by the weight; rotary products rounded one by one), so the fast path tracks the generic
@@ -106,8 +108,56 @@ def argmax_logprob_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return best, logits.gather(1, best[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+def decode_advance_ref(
+    tokens: torch.Tensor, logprobs: torch.Tensor, state: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    step: torch.Tensor,
+) -> None:  # fmt: skip
+    """Reference of :func:`decode_advance`."""
+    ids, pos, slots, rows, lens, remaining = state[:6]
+    stops = state[6:]
+    out_tok.index_copy_(1, step, tokens[:, None])
+    out_lp.index_copy_(1, step, logprobs[:, None])
+    live = lens > 0
+    remaining.sub_(live.long())
+    done = live & ((tokens[None, :] == stops).any(0) | (remaining <= 0))
+    ids.copy_(tokens)
+    pos.add_(live.long())
+    rows.add_(live.long())
+    lens.add_(live.long()).masked_fill_(done, 0)
+    slots.masked_fill_(done, -1)
+    step.add_(1)
+
+
 # ------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
+
+    @triton.jit
+    def _decode_advance_kernel(
+        TOK, LOGP, STATE, stride_state, OUT_TOK, OUT_LP, stride_out, STEP, n,
+        N_STOPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pdl_prologue(PDL)
+        b = tl.arange(0, BLOCK)
+        m = b < n
+        step = tl.load(STEP)
+        tok = tl.load(TOK + b, mask=m, other=0)
+        tl.store(OUT_TOK + b * stride_out + step, tok, mask=m)
+        tl.store(OUT_LP + b * stride_out + step, tl.load(LOGP + b, mask=m, other=0.0), mask=m)
+        lens = tl.load(STATE + 4 * stride_state + b, mask=m, other=0)
+        inc = (lens > 0).to(tl.int64)
+        remaining = tl.load(STATE + 5 * stride_state + b, mask=m, other=0) - inc
+        hit = remaining <= 0
+        for k in tl.static_range(N_STOPS):
+            hit = hit | (tl.load(STATE + (6 + k) * stride_state + b, mask=m, other=-1) == tok)
+        done = (inc > 0) & hit
+        slot = tl.load(STATE + 2 * stride_state + b, mask=m, other=-1)
+        tl.store(STATE + b, tok, mask=m)
+        tl.store(STATE + stride_state + b, tl.load(STATE + stride_state + b, mask=m, other=0) + inc, mask=m)
+        tl.store(STATE + 2 * stride_state + b, tl.where(done, -1, slot), mask=m)
+        tl.store(STATE + 3 * stride_state + b, tl.load(STATE + 3 * stride_state + b, mask=m, other=0) + inc, mask=m)
+        tl.store(STATE + 4 * stride_state + b, tl.where(done, 0, lens + inc), mask=m)
+        tl.store(STATE + 5 * stride_state + b, remaining, mask=m)
+        tl.store(STEP, step + 1)
 
     @triton.jit
     def pdl_prologue(PDL: tl.constexpr):
@@ -352,6 +402,35 @@ def argmax_logprob(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
         num_warps=1, **pdl,
     )  # fmt: skip
     return tokens, logp
+
+
+def decode_advance(
+    tokens: torch.Tensor, logprobs: torch.Tensor, state: torch.Tensor, out_tok: torch.Tensor, out_lp: torch.Tensor,
+    step: torch.Tensor,
+) -> None:  # fmt: skip
+    """After sampling one decode step of ``B`` rows: record, stop, and feed back, in place.
+
+    Args:
+        tokens, logprobs: the step's samples ``[B]`` (int64, float32).
+        state: int64 ``[6 + S, B]`` (a strided view is fine): the rows' token to feed, logical
+            position, slot, cache row, slot length (0: the row is stopped or padding), steps
+            left, then ``S`` stop ids per row (``-1``: none).
+        out_tok, out_lp: ``[B, C]`` outputs; column ``step`` receives the samples.
+        step: int64 ``[1]``, incremented.
+
+    A live row (``length > 0``) that sampled a stop id or used its last step stops: length 0,
+    slot −1, so later steps neither write nor read its cache. Live rows advance their position,
+    cache row and length by one; every row's next input is its sampled token.
+    """
+    if not _use_triton(tokens):
+        return decode_advance_ref(tokens, logprobs, state, out_tok, out_lp, step)
+    batch = tokens.shape[0]
+    assert state.shape[1] == batch and state.stride(1) == 1 and out_tok.stride(1) == out_lp.stride(1) == 1
+    assert out_tok.stride(0) == out_lp.stride(0)
+    _decode_advance_kernel[(1,)](
+        tokens, logprobs, state, state.stride(0), out_tok, out_lp, out_tok.stride(0), step, batch,
+        N_STOPS=state.shape[0] - 6, BLOCK=max(16, triton.next_power_of_2(batch)), num_warps=1, **pdl_kwargs(tokens),
+    )  # fmt: skip
 
 
 def qkv_rope_store(

@@ -10,27 +10,33 @@ queries), so the scheduler, compactor and sessions are shared with the generic p
   (:func:`~compaction_gym.engine.fast.attention.prefill_attention`), in groups of at most
   ``max_prefill_tokens`` tokens.
 
-:meth:`generate` is the device-resident decode loop: each graph replay runs the model, samples
-on the device (:mod:`~compaction_gym.engine.fast.sampler`), stores the token and advances
-positions and lengths in device buffers, so ``check_every`` steps run back to back with no host
-synchronisation; stop tokens are checked once per ``check_every`` steps.
+:meth:`decode_chunk` is the device-resident decode loop the scheduler drives: each graph replay
+runs the model, samples on the device (:mod:`~compaction_gym.engine.fast.sampler`), records the
+step's queries for rows that keep suffix probes, and then (:func:`~compaction_gym.engine.fast.kernels.decode_advance`)
+stores the token, stops rows that sampled a stop id or used their last step, and feeds the rest
+their token back, so up to ``chunk_steps`` steps run back to back with one host synchronisation
+at the end of the chunk. :meth:`generate` chains chunks for benchmarks and tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast.attention import decode_attention, num_splits_for, prefill_attention
+from compaction_gym.engine.fast.kernels import decode_advance
 from compaction_gym.engine.fast.model import FastDecoder
 from compaction_gym.engine.fast.sampler import DeviceSampling, sample_device
-from compaction_gym.engine.model_runner import ModelLayout, RowFeed
+from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop
+from compaction_gym.engine.sampler import SampleStream
 from compaction_gym.engine.slot_cache import SlotKVCache
 
-_IDS, _POS, _SLOT, _ROW, _LEN = range(5)
+# rows of the static decode inputs; stop ids follow (see kernels.decode_advance)
+_IDS, _POS, _SLOT, _ROW, _LEN, _REM, _STOPS = range(7)
+_PADDING = (0, 0, -1, 0, 0, 0)  # padding rows: no slot, length 0 (they write and read nothing)
 
 
 @dataclass
@@ -55,7 +61,7 @@ class FastModelRunner:
         layout: attention geometry (as for the generic runner).
         cuda_graphs: capture decode in CUDA graphs (default: on CUDA devices).
         max_prefill_tokens: tokens per flat prefill batch.
-        check_every: decode steps per host check in :meth:`generate`.
+        chunk_steps: most decode steps per :meth:`decode_chunk` (one host synchronisation each).
     """
 
     def __init__(
@@ -66,7 +72,7 @@ class FastModelRunner:
         *,
         cuda_graphs: bool | None = None,
         max_prefill_tokens: int = 16384,
-        check_every: int = 32,
+        chunk_steps: int = 32,
     ) -> None:
         self.model, self.cache, self.layout = model, cache, layout
         self.device, self.dtype = cache.k.device, cache.k.dtype
@@ -75,23 +81,45 @@ class FastModelRunner:
         assert (dec.n_layers, dec.n_kv, dec.head_dim) == (cache.n_layers, cache.n_kv_heads, cache.head_dim)
         self.use_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.max_prefill_tokens = max_prefill_tokens
-        self.check_every = check_every
+        self._chunk_width = self._chunk_steps = chunk_steps
         self.max_batch = cache.max_slots
         self.buckets = graph_buckets(self.max_batch)
         self.sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
         dev, nb = self.device, self.max_batch
-        self._inputs = torch.zeros(5, nb, dtype=torch.long, device=dev)
-        self._host = torch.zeros(5, nb, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._host_free = torch.cuda.Event() if dev.type == "cuda" else None
+        self._alloc_inputs(n_stops=4)
         self._q_rec = torch.zeros(dec.n_layers, nb, dec.n_q, dec.head_dim, dtype=self.dtype, device=dev)
-        self._out_tok = torch.zeros(nb, check_every, dtype=torch.long, device=dev)
-        self._out_lp = torch.zeros(nb, check_every, dtype=torch.float32, device=dev)
+        self._q_steps: torch.Tensor | None = None  # [L, B, chunk_steps, H_q, d], made on first use
+        self._out_tok = torch.zeros(nb, chunk_steps, dtype=torch.long, device=dev)
+        self._out_lp = torch.zeros(nb, chunk_steps, dtype=torch.float32, device=dev)
+        pinned = dev.type == "cuda"
+        self._out_host = (torch.zeros_like(self._out_tok, device="cpu", pin_memory=pinned),
+                          torch.zeros_like(self._out_lp, device="cpu", pin_memory=pinned))  # fmt: skip
+        self._out_ready = torch.cuda.Event() if pinned else None
         self._step = torch.zeros(1, dtype=torch.long, device=dev)
         self.sampling = DeviceSampling(nb, dev)
-        self._graphs: dict[tuple[int, str], _Graph] = {}
+        self._graphs: dict[tuple[int, str, bool], _Graph] = {}
         self._pool = None
+
+    @property
+    def chunk_steps(self) -> int:
+        """Most decode steps per :meth:`decode_chunk`; may be lowered (e.g. to 1, the token-by-token
+        loop) and raised back up to the value given at construction (the output buffers' width)."""
+        return self._chunk_steps
+
+    @chunk_steps.setter
+    def chunk_steps(self, n: int) -> None:
+        if not 1 <= n <= self._chunk_width:
+            raise ValueError(f"chunk_steps must be in [1, {self._chunk_width}] (set at construction), got {n}")
+        self._chunk_steps = n
+
+    def _alloc_inputs(self, n_stops: int) -> None:
+        """Static decode inputs ``[_STOPS + n_stops, max_batch]`` and their pinned staging copy."""
+        rows, dev = _STOPS + n_stops, self.device
+        self._inputs = torch.zeros(rows, self.max_batch, dtype=torch.long, device=dev)
+        self._host = torch.zeros(rows, self.max_batch, dtype=torch.long, pin_memory=dev.type == "cuda")
 
     # ------------------------------------------------------------ contract
     @torch.no_grad()
@@ -121,14 +149,15 @@ class FastModelRunner:
         return next(b for b in self.buckets if b >= batch)
 
     def _load_inputs(self, columns: list[list[int]], bucket: int) -> None:
-        """Copy ids/positions/slots/rows/lengths (padded to ``bucket``) into the static inputs."""
-        n = len(columns[0])
+        """Copy the first input rows (ids, positions, slots, rows, lengths[, steps left, stop ids]),
+        padded to ``bucket`` columns, into the static inputs."""
+        n, k = len(columns[0]), len(columns)
         pad = bucket - n
         if self._host_free is not None:
             self._host_free.synchronize()  # the previous copy out of the pinned buffer is done
-        padding = (0, 0, -1, 0, 0)
-        self._host[:, :bucket] = torch.tensor([col + [p] * pad for col, p in zip(columns, padding)])
-        self._inputs[:, :bucket].copy_(self._host[:, :bucket], non_blocking=True)
+        padding = _PADDING + (-1,) * (k - len(_PADDING))
+        self._host[:k, :bucket] = torch.tensor([col + [p] * pad for col, p in zip(columns, padding)])
+        self._inputs[:k, :bucket].copy_(self._host[:k, :bucket], non_blocking=True)
         if self._host_free is not None:
             self._host_free.record()
 
@@ -139,7 +168,7 @@ class FastModelRunner:
             [[r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens]],
             bucket,
         )
-        g = self._graph(bucket, "logits")
+        g = self._graph(bucket, "logits", False)
         g.graph.replay()
         logits = g.logits[:batch].to(torch.float32, copy=True)
         self._push_decode_queries(rows)
@@ -163,10 +192,16 @@ class FastModelRunner:
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def _decode_body(self, batch: int, kind: str) -> _Graph:
-        """One decode step on the static inputs' first ``batch`` rows (captured as a graph)."""
+    def _decode_body(self, batch: int, kind: str, record: bool) -> _Graph:
+        """One decode step on the static inputs' first ``batch`` rows (captured as a graph).
+
+        ``kind``: ``"logits"`` (stop after the logits) or the sampler variant (``"greedy"``,
+        ``"sample"``, ``"filtered"``), which samples and advances the rows (:func:`decode_advance`);
+        ``record``: also copy the step's queries into column ``step`` of the per-step recording.
+        """
         c, dec = self.cache, self.decoder
-        ids, pos, slots, rows, lens = (self._inputs[i, :batch] for i in range(5))
+        state = self._inputs[:, :batch]
+        ids, pos, slots, rows, lens = state[:_REM]
         splits = num_splits_for(batch, c.n_kv_heads, c.capacity, self.sm_count)
         fused = dec.fuse_attention if dec.fuse_attention is not None else splits == 1
 
@@ -185,21 +220,17 @@ class FastModelRunner:
         if kind == "logits":
             return _Graph(None, logits)
         tokens, logprobs = sample_device(logits, self.sampling, greedy_only=kind == "greedy", filtered=kind == "filtered")
-        self._out_tok[:batch].index_copy_(1, self._step, tokens[:, None])
-        self._out_lp[:batch].index_copy_(1, self._step, logprobs[:, None])
-        self._step += 1
-        live = lens > 0
-        ids.copy_(tokens)
-        pos.add_(live.long())
-        rows.add_(live.long())
-        lens.add_(live.long())
+        if record:
+            self._q_steps[:, :batch].index_copy_(2, self._step, self._q_rec[:, :batch, None])
+        decode_advance(tokens, logprobs, state, self._out_tok[:batch], self._out_lp[:batch], self._step)
         return _Graph(None, logits, tokens)
 
-    def _graph(self, bucket: int, kind: str) -> _Graph:
-        """The decode graph for ``bucket`` rows and output ``kind`` (captured on first use)."""
-        key = (bucket, kind)
+    def _graph(self, bucket: int, kind: str, record: bool) -> _Graph:
+        """The decode graph for ``bucket`` rows, output ``kind`` and ``record`` (captured on first use)."""
+        key = (bucket, kind, record)
         if key in self._graphs:
             return self._graphs[key]
+        self._ensure_recording(record)
         saved = self._inputs.clone()
         self._inputs[_SLOT].fill_(-1)  # warm-up and capture must not touch the cache
         self._inputs[_LEN].zero_()
@@ -211,11 +242,11 @@ class FastModelRunner:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles the Triton kernels and settles cuBLAS workspaces
-                    self._decode_body(bucket, kind)
+                    self._decode_body(bucket, kind, record)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._decode_body(bucket, kind)
+                out = self._decode_body(bucket, kind, record)
         finally:
             self.decoder.graph_mode = False
         self._pool = graph.pool()
@@ -232,6 +263,18 @@ class FastModelRunner:
         changing the decoder's settings, e.g. its fusions or GEMV use)."""
         self._graphs.clear()
         self._pool = None
+
+    def _ensure_recording(self, record: bool) -> None:
+        if record and self._q_steps is None:
+            q = self._q_rec
+            self._q_steps = q.new_zeros(q.shape[0], q.shape[1], self._chunk_width, *q.shape[2:])
+
+    def _ensure_stops(self, n: int) -> None:
+        """Room for ``n`` stop ids per row in the static inputs (growing them drops the graphs)."""
+        have = self._inputs.shape[0] - _STOPS
+        if n > have:
+            self._alloc_inputs(max(n, 2 * have))
+            self.recapture()
 
     def _ensure_positions(self, n: int) -> None:
         if n > self.decoder.cos.shape[0]:
@@ -298,7 +341,73 @@ class FastModelRunner:
                 off += m
         return logits.to(torch.float32, copy=True)
 
-    # ------------------------------------------------------------- generate
+    # --------------------------------------------------------------- chunks
+    @torch.no_grad()
+    def decode_chunk(self, rows: list[DecodeRow], steps: int) -> list[tuple[list[int], list[float]]]:
+        """Up to ``steps`` decode steps of every row on the device, one host synchronisation at the end.
+
+        The contract of :meth:`ModelRunner.decode_chunk
+        <compaction_gym.engine.model_runner.ModelRunner.decode_chunk>`: row ``b`` feeds its
+        token, samples, feeds that back, ... and stops (on the device) after ``max_steps`` steps
+        or a stop id; it returns ``m ≥ 1`` tokens and its slot grows by ``m``. Rows with a
+        recorder get the queries of the ``m`` tokens they fed; sampling rows' streams advance by ``m``.
+        """
+        batch = len(rows)
+        assert 0 < batch <= self.max_batch and steps >= 1
+        c = self.cache
+        lens = [c.lengths[r.slot] for r in rows]
+        limits = [min(r.max_steps, steps, self.chunk_steps) for r in rows]
+        assert min(limits) >= 1, "every row runs at least one step"
+        assert all(n + k <= c.capacity for n, k in zip(lens, limits)), "decode_chunk would overflow a slot"
+        steps = max(limits)
+        self._ensure_positions(max(r.start + k for r, k in zip(rows, limits)) + 1)
+        self._ensure_stops(max(len(r.stop_ids) for r in rows))
+        n_stops = self._inputs.shape[0] - _STOPS  # every stop row is loaded: none keeps a past chunk's ids
+        bucket = self._bucket(batch)
+        streams = [r.stream or SampleStream(0) for r in rows]
+        pad = bucket - batch
+        self.sampling.set(
+            [r.params for r in rows] + [SamplingParams(temperature=0.0)] * pad,
+            [st.seed for st in streams] + [0] * pad,
+            [st.counter for st in streams] + [0] * pad,
+        )
+        kind = "greedy" if self.sampling.greedy else ("filtered" if self.sampling.filtered else "sample")
+        record = any(r.recorder is not None for r in rows)
+        stops = [sorted(r.stop_ids) + [-1] * (n_stops - len(r.stop_ids)) for r in rows]
+        columns = [[r.token for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens], limits]
+        self._load_inputs(columns + [list(col) for col in zip(*stops)], bucket)
+        self._step.zero_()
+        g = self._graph(bucket, kind, record) if self.use_graphs else None
+        if g is None:
+            self._ensure_recording(record)
+        for _ in range(steps):
+            if g is not None:
+                g.graph.replay()
+            else:
+                self._decode_body(bucket, kind, record)
+        tokens, logprobs = self._fetch_outputs(batch, steps)
+        out = []
+        for b, r in enumerate(rows):
+            m = cut_at_stop(tokens[b], limits[b], r.stop_ids)
+            c.lengths[r.slot] += m
+            if r.stream is not None and not r.params.greedy:
+                r.stream.counter += m
+            if r.recorder is not None:
+                k = min(m, r.recorder.capacity)
+                r.recorder.push(self._q_steps[:, b, m - k : m].transpose(1, 2), r.start + m - k)
+            out.append((tokens[b][:m], logprobs[b][:m]))
+        return out
+
+    def _fetch_outputs(self, batch: int, steps: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The chunk's tokens and log-probabilities on the host: one wait for the device."""
+        host_tok, host_lp = self._out_host
+        host_tok[:batch, :steps].copy_(self._out_tok[:batch, :steps], non_blocking=True)
+        host_lp[:batch, :steps].copy_(self._out_lp[:batch, :steps], non_blocking=True)
+        if self._out_ready is not None:
+            self._out_ready.record()
+            self._out_ready.synchronize()
+        return host_tok[:batch, :steps].tolist(), host_lp[:batch, :steps].tolist()
+
     @torch.no_grad()
     def generate(
         self,
@@ -309,57 +418,35 @@ class FastModelRunner:
         max_new_tokens: int,
         *,
         seeds: Sequence[int] | None = None,
-        counters: Sequence[int] | None = None,
         stop_token_ids: Sequence[int] = (),
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Decode up to ``max_new_tokens`` per row on the device, syncing once per ``check_every`` steps.
+        """Decode up to ``max_new_tokens`` per row in chunks of :meth:`decode_chunk` (benchmarks, tests).
 
         Row ``b`` feeds ``tokens[b]`` (sampled earlier, not yet in the cache) at logical
-        position ``positions[b]`` into slot ``slots[b]``, then feeds back what it samples. A row
-        stops after a token of ``stop_token_ids`` (included in its output, not fed: it stays
-        pending, as in the scheduler); slot lengths advance by the tokens really fed. Suffix
-        queries are not recorded here (use :meth:`forward` for sessions that need them).
+        position ``positions[b]`` into slot ``slots[b]``, then feeds back what it samples, until
+        a token of ``stop_token_ids`` (included in its output, not fed) or ``max_new_tokens``.
 
         Returns:
             ``(tokens, logprobs)`` per row.
         """
         batch = len(slots)
-        assert 0 < batch <= self.max_batch and len(tokens) == len(positions) == len(params) == batch
-        c = self.cache
-        lens = [c.lengths[s] for s in slots]
-        steps = max_new_tokens
-        assert max(lens) + steps <= c.capacity, "generate would overflow a slot"
-        self._ensure_positions(max(positions) + steps + 1)
-        bucket = self._bucket(batch)
-        self.sampling.set(
-            list(params) + [SamplingParams(temperature=0.0)] * (bucket - batch),
-            list(seeds or [0] * batch) + [0] * (bucket - batch),
-            list(counters or [0] * batch) + [0] * (bucket - batch),
-        )
-        kind = "greedy" if self.sampling.greedy else ("filtered" if self.sampling.filtered else "sample")
-        self._load_inputs([list(tokens), list(positions), list(slots), lens, [n + 1 for n in lens]], bucket)
-        g = self._graph(bucket, kind) if self.use_graphs else None
-        stop = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=self.device)
-        out_tok, out_lp, done = [], [], 0
-        while done < steps:
-            n = min(self.check_every, steps - done)
-            self._step.zero_()
-            for _ in range(n):
-                if g is not None:
-                    g.graph.replay()
-                else:
-                    self._decode_body(bucket, kind)
-            chunk = self._out_tok[:batch, :n].clone()
-            out_tok.append(chunk)
-            out_lp.append(self._out_lp[:batch, :n].clone())
-            done += n
-            if stop_token_ids and bool(torch.isin(torch.cat(out_tok, 1), stop).any(1).all()):
-                break  # the one host sync per chunk
-        toks = torch.cat(out_tok, 1).tolist()
-        lps = torch.cat(out_lp, 1).tolist()
-        stops = set(stop_token_ids)
-        for b in range(batch):
-            cut = next((i + 1 for i, t in enumerate(toks[b]) if t in stops), len(toks[b]))
-            toks[b], lps[b] = toks[b][:cut], lps[b][:cut]
-            c.lengths[slots[b]] += cut  # fed: the input token and every output token but the last
-        return toks, lps
+        assert len(tokens) == len(positions) == len(params) == batch
+        stops = frozenset(stop_token_ids)
+        rows = [
+            DecodeRow(slot, tok, pos, max_new_tokens, p, SampleStream((seeds or [0] * batch)[b]), stops)
+            for b, (slot, tok, pos, p) in enumerate(zip(slots, tokens, positions, params))
+        ]
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
+        todo = list(range(batch))
+        while todo:
+            chunk = self.decode_chunk([rows[b] for b in todo], self.chunk_steps)
+            going_on = []
+            for b, (toks, lps) in zip(todo, chunk):
+                out[b][0].extend(toks)
+                out[b][1].extend(lps)
+                r = rows[b]
+                if toks[-1] not in stops and len(toks) < r.max_steps:
+                    rows[b] = replace(r, token=toks[-1], start=r.start + len(toks), max_steps=r.max_steps - len(toks))
+                    going_on.append(b)
+            todo = going_on
+        return [t for t, _ in out], [lp for _, lp in out]

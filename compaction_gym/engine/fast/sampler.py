@@ -1,13 +1,15 @@
 """Sampling on the device, capturable in a CUDA graph.
 
 Per-row parameters live in device tensors (:class:`DeviceSampling`), so one captured graph
-serves any mix of greedy and sampled rows. Randomness is counter-based: row ``b``'s ``k``-th
-draw is a hash of ``(seed_b, k)``, so a row's tokens never depend on the other rows of the batch
-or on how many steps run per graph replay, and no generator state is captured.
+serves any mix of greedy and sampled rows. Randomness is the generic sampler's counter-based
+stream (:func:`~compaction_gym.engine.sampler.counter_uniform`): row ``b``'s ``k``-th draw is a
+hash of ``(seed_b, k)``, so a row's tokens never depend on the other rows of the batch or on how
+many steps run per graph replay, and no generator state is captured.
 
 The distribution is the generic sampler's (:mod:`compaction_gym.engine.sampler`): logits over
 the temperature, top-k, then top-p, renormalised; one uniform per token inverts its CDF; greedy
-rows take the argmax and report the plain log-softmax. Only the random stream differs.
+rows take the argmax and report the plain log-softmax. Same stream, same distribution: the two
+samplers pick the same tokens up to floating-point differences.
 """
 
 from __future__ import annotations
@@ -16,53 +18,43 @@ import torch
 
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast.kernels import argmax_logprob
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """``x · m mod 2³²`` for ``x`` in ``[0, 2³²)`` without int64 overflow."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * m + (((hi * m) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32: xor-shift, multiply, xor-shift, multiply, xor-shift)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 numbers in ``[0, 1)`` from int64 ``seed`` and ``counter`` tensors (24 bits)."""
-    a = _mix32((seed & _M32) ^ _mix32(counter & _M32))
-    b = _mix32(a ^ ((seed >> 32) & _M32) ^ _mix32((counter >> 32) ^ 0x9E3779B9))
-    return (b >> 8).to(torch.float32) * (1.0 / (1 << 24))
+from compaction_gym.engine.sampler import counter_uniform
 
 
 class DeviceSampling:
-    """Per-row sampling parameters and stream counters in device tensors ``[max_batch]``."""
+    """Per-row sampling parameters and stream counters in device tensors ``[max_batch]``.
+
+    They are views of one int64 tensor (temperature and top-p as float32 in the low half of
+    their rows), so :meth:`set` loads them with one asynchronous copy from pinned memory.
+    """
 
     def __init__(self, max_batch: int, device: torch.device) -> None:
-        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.counter = torch.zeros(max_batch, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self._state = torch.zeros(5, max_batch, dtype=torch.long, device=device)
+        self._host = torch.zeros(5, max_batch, dtype=torch.long, pin_memory=cuda)
+        self._host_free = torch.cuda.Event() if cuda else None
+        self.top_k, self.seed, self.counter = self._state[0], self._state[1], self._state[2]
+        self.temperature = self._state[3].view(torch.float32)[:max_batch]
+        self.top_p = self._state[4].view(torch.float32)[:max_batch]
+        self.top_p.fill_(1.0)
         self.filtered = False  # whether any row uses top-k / top-p (picks the graph variant)
         self.greedy = True  # whether every row is greedy
 
     def set(self, params: list[SamplingParams], seeds: list[int], counters: list[int]) -> None:
-        """Load one row of parameters per entry (rows past ``len(params)`` are left as they are)."""
+        """Load rows ``[0, len(params))``, one per entry (later rows may change: callers use the rows they set)."""
         n = len(params)
         vals = [(p.temperature, p.top_k if not p.greedy else 0, 1.0 if p.greedy else p.top_p) for p in params]
-        self.temperature[:n] = torch.tensor([v[0] for v in vals], dtype=torch.float32)
-        self.top_k[:n] = torch.tensor([v[1] for v in vals], dtype=torch.long)
-        self.top_p[:n] = torch.tensor([v[2] for v in vals], dtype=torch.float32)
-        self.seed[:n] = torch.tensor([s % (1 << 62) for s in seeds], dtype=torch.long)
-        self.counter[:n] = torch.tensor(counters, dtype=torch.long)
+        if self._host_free is not None:
+            self._host_free.synchronize()  # the previous copy out of the pinned buffer is done
+        host = self._host
+        host[0, :n] = torch.tensor([v[1] for v in vals], dtype=torch.long)
+        host[1, :n] = torch.tensor([s % (1 << 62) for s in seeds], dtype=torch.long)
+        host[2, :n] = torch.tensor(counters, dtype=torch.long)
+        host[3].view(torch.float32)[:n] = torch.tensor([v[0] for v in vals], dtype=torch.float32)
+        host[4].view(torch.float32)[:n] = torch.tensor([v[2] for v in vals], dtype=torch.float32)
+        self._state[:, :n].copy_(host[:, :n], non_blocking=True)
+        if self._host_free is not None:
+            self._host_free.record()
         self.greedy = all(p.greedy for p in params)
         self.filtered = any(v[1] > 0 or v[2] < 1.0 for v in vals)
 
