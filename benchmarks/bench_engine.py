@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from compaction_gym.engine import CompactionConfig, Engine, SamplingParams, StepRequest
-    from compaction_gym.testing import make_tiny_model
+    from compaction_gym.models.tiny import make_tiny_model
 
     a = make_parser().parse_args(argv)
     if a.threads:

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from compaction_gym.testing import make_tiny_model
+            from compaction_gym.models.tiny import make_tiny_model
 
             model = str(make_tiny_model(os.path.join(tmp, "tiny"), seed=args.seed))
         proc, url = start_server(args, model)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.trainers.tree import (
+from compaction_gym.trainers.tree_sft import (
     Tree,
     TreeNode,
     clear_block_mask_cache,

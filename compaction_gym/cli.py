@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("compaction_gym.agents.evaluate", "run an agent on an env for N episodes and summarise"),
     "serve": ("compaction_gym.servers.cli", "serve the session API over HTTP"),
     "train": ("compaction_gym.trainers.cli", "train with GRPO replay, tree SFT or GJS distillation"),
-    "leaderboard": ("compaction_gym.leaderboard.cli", "run and show compaction leaderboards"),
+    "demos": ("compaction_gym.demos.cli", "record expert-bot BabyAI demonstrations through compacted sessions"),
     "bench": ("compaction_gym.bench", "run a performance benchmark from benchmarks/"),
 }
 

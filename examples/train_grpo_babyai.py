@@ -28,8 +28,8 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from compaction_gym.agents.models import resolve_model
-from compaction_gym.trainers.grpo import CompactionGRPOConfig, CompactionGRPOTrainer, env_reward
+from compaction_gym.models.registry import resolve_model
+from compaction_gym.trainers import CompactionGRPOConfig, CompactionGRPOTrainer, env_reward
 
 
 def valid_action(completions, trajectory, **kwargs) -> list[float]:

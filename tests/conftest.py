@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Directory holding a tiny random Qwen3 and its tokenizer (``save_pretrained`` format)."""
-    from compaction_gym.testing import make_tiny_model
+    from compaction_gym.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 

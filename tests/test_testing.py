@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from compaction_gym.testing import SPECIAL_TOKENS, make_tiny_model
+from compaction_gym.models.tiny import SPECIAL_TOKENS, make_tiny_model
 
 
 def test_round_trip_through_from_pretrained(tiny_model_path):

@@ -97,8 +97,8 @@ def opening_binding(dirs: list[Path]) -> str:
     import re
 
     from compaction_gym.agents import read_jsonl
+    from compaction_gym.envs.babyai.reasoning import babyai_reasoning
     from compaction_gym.envs.babyai.text import OBJECT_KINDS
-    from compaction_gym.trainers.demos import babyai_reasoning
 
     rows = ["| run | objects in view | episodes | right | first listed | other listed | not in view | other |"]
     rows.append("|---|---|---|---|---|---|---|---|")

@@ -41,7 +41,7 @@ record() {
   if [ -f "$R/$3/trees.jsonl" ]; then
     stamp "$3: reusing $R/$3/trees.jsonl"; cp "$R/$3/manifest.json" "$O/$3_manifest.json"; return
   fi
-  cg train demos --config "$1" --workers "$WORKERS" --threads 1 --device cpu --model "$2" \
+  cg demos --config "$1" --workers "$WORKERS" --threads 1 --device cpu --model "$2" \
     --output-dir "$R/$3" ${DEMO_EXTRA:-} > "$O/$3.log" 2>&1
   stamp "$3 exit $?: $(tail -1 "$O/$3.log")"
   cp "$R/$3/manifest.json" "$O/$3_manifest.json"

@@ -24,10 +24,10 @@ import numpy as np
 from compaction_gym.agents.chat import ChatFormat
 from compaction_gym.agents.prompts import PromptFormat, get_prompt_format
 from compaction_gym.agents.trajectory import Trajectory, Turn, jsonable
+from compaction_gym.backends import Backend
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import StepRequest, StepResult
 from compaction_gym.errors import InvalidArgumentError, UnknownSessionError
-from compaction_gym.servers.backend import Backend
 
 #: ``info`` keys read, in order, for the action the env executed (BabyAI, math).
 ACTION_INFO_KEYS = ("action", "extracted")
@@ -53,7 +53,7 @@ class CompactionAgent:
     """An LLM agent holding one persistent, compacted session per episode.
 
     Args:
-        backend: any :class:`~compaction_gym.servers.Backend` (e.g. :class:`~compaction_gym.servers.LocalBackend`).
+        backend: any :class:`~compaction_gym.backends.Backend` (e.g. :class:`~compaction_gym.backends.LocalBackend`).
         tokenizer: the model's tokenizer (default: ``backend.tokenizer``).
         compaction: the session's :class:`CompactionConfig` (default: no compaction).
         sampling: per-turn :class:`SamplingParams` (default: greedy, the prompt format's

@@ -10,12 +10,9 @@ tasks with SE = √(Σ SE²) / n_tasks.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -24,14 +21,14 @@ from typing import Any
 
 import gymnasium as gym
 
-import compaction_gym
 from compaction_gym.agents.agent import CompactionAgent
-from compaction_gym.agents.models import model_defaults, resolve_model
 from compaction_gym.agents.prompts import PROMPT_FORMATS, get_prompt_format
 from compaction_gym.agents.rollout import run_episodes
 from compaction_gym.agents.trajectory import Trajectory, jsonable, write_jsonl
 from compaction_gym.engine.config import COMPACTION_MODES, PROBE_SOURCES, CompactionConfig, SamplingParams
 from compaction_gym.errors import CompactionGymError, InvalidArgumentError
+from compaction_gym.models.registry import model_defaults, resolve_model
+from compaction_gym.provenance import provenance
 
 SUMMARY_SCHEMA = "compaction-gym/eval-summary/v1"
 BABYAI_ENTRY = "compaction_gym.envs.babyai.env:BabyAITextEnv"
@@ -164,27 +161,6 @@ def summarize(
     return {"tasks": tasks, "overall": overall}
 
 
-# ---------------------------------------------------------------------------- provenance
-def _git(*args: str) -> str | None:
-    """Output of a read-only git command in the package's checkout (``None`` outside one)."""
-    root = Path(compaction_gym.__file__).resolve().parent.parent
-    try:
-        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("compaction-gym", "torch", "transformers", "gymnasium", "minigrid", "reasoning-gym"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            out[pkg] = md.version(pkg)
-    return out
-
-
 # ---------------------------------------------------------------------------- the run
 def evaluate(
     model: str | None = None,
@@ -208,7 +184,7 @@ def evaluate(
 
     Args:
         model: model directory, registered name (``tiny-random``) or hub id; loaded into a
-            :class:`~compaction_gym.servers.LocalBackend` unless ``backend`` is given.
+            :class:`~compaction_gym.backends.LocalBackend` unless ``backend`` is given.
         env: env id (``AttnMatch-BabyAI-v0`` runs BALROG's five tasks; a per-task id or
             ``tasks`` narrows it; ``AttnMatch-Math-v0`` / ``AttnMatch-RGMix-v0`` are single-step).
         tasks: task names (BabyAI tasks; math dataset names).
@@ -259,7 +235,7 @@ def evaluate(
         base_kwargs.setdefault("action_parsing", fmt.action_parsing)
     resolved = None
     if backend is None:
-        from compaction_gym.servers.backend import LocalBackend
+        from compaction_gym.backends import LocalBackend
 
         resolved = resolve_model(model)
         engine_kwargs = dict(engine_kwargs or {})
@@ -341,12 +317,7 @@ def evaluate(
         "provenance": {
             "started_at": started,
             "wall_time_s": time.perf_counter() - t_start,
-            "git_revision": _git("rev-parse", "HEAD") or None,
-            "git_dirty": None
-            if (status := _git("--no-optional-locks", "status", "--porcelain")) is None
-            else bool(status),
-            "versions": _versions(),
-            "platform": platform.platform(),
+            **provenance(),
             "device": str(getattr(getattr(backend, "engine", None), "device", "")),
             "argv": sys.argv,
         },

@@ -13,7 +13,7 @@ Example:
     >>> model, tokenizer = models.load("babyai-tiny")  # doctest: +SKIP
 
 The names also resolve on the command line (``compaction-gym eval --model babyai-tiny``) through
-:func:`compaction_gym.agents.models.resolve_model`. This module imports nothing heavy.
+:func:`compaction_gym.models.registry.resolve_model`. This module imports nothing heavy.
 """
 
 from __future__ import annotations

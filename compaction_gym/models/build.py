@@ -71,7 +71,7 @@ def build_base_model(
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from compaction_gym.testing import make_tokenizer
+    from compaction_gym.models.tiny import make_tokenizer
 
     config = config or BaseModelConfig()
     if not corpus:

@@ -1,7 +1,7 @@
-"""Backends that serve the session API: in-process (:class:`LocalBackend`) and HTTP
-(:class:`HTTPBackend`, a client of ``compaction-gym serve``), plus the server app itself.
+"""``compaction-gym serve``: the session API over HTTP (the app, its engine worker, metrics) and
+:class:`HTTPBackend`, its client, a :class:`~compaction_gym.backends.Backend` for agents.
 
-The HTTP pieces are imported on first use, so the in-process backend needs neither httpx, pydantic
+Names are imported on first use, so ``import compaction_gym.servers`` needs neither httpx, pydantic
 nor FastAPI.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from compaction_gym.servers.backend import Backend, LocalBackend
-
 _LAZY: dict[str, str] = {
     "HTTPBackend": "compaction_gym.servers.http_backend",
     "ServerArgs": "compaction_gym.servers.args",
@@ -19,7 +17,7 @@ _LAZY: dict[str, str] = {
     "create_app": "compaction_gym.servers.app",
 }
 
-__all__ = ["Backend", "LocalBackend", *sorted(_LAZY)]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

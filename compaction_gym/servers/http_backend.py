@@ -1,4 +1,4 @@
-"""``HTTPBackend``: the :class:`~compaction_gym.servers.backend.Backend` protocol over our HTTP server.
+"""``HTTPBackend``: the :class:`~compaction_gym.backends.Backend` protocol over our HTTP server.
 
 Agents switch backends by argument only: ``HTTPBackend("http://host:8000")`` returns the same
 :class:`~compaction_gym.engine.types.StepResult` objects (events included, losslessly) that
@@ -165,11 +165,20 @@ class HTTPBackend:
             body["session_id"] = session_id
         return from_response(self._request("POST", "/compact_session/create", json=body, retry_429=True))
 
-    def step(self, session_id: str, new_ids: list[int], sampling: SamplingParams | None = None) -> StepResult:
+    def step(
+        self,
+        session_id: str,
+        new_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        response_complete: bool = False,
+    ) -> StepResult:
         """Feed ``new_ids`` into the session, then generate (``POST /compact_session/step``)."""
         body = {"session_id": session_id, "new_token_ids": [int(t) for t in new_ids]} | sampling_fields(
             sampling
         )
+        if response_complete:
+            body["response_complete"] = True
         return from_response(self._request("POST", "/compact_session/step", json=body))
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:

@@ -10,10 +10,9 @@ import importlib
 
 #: Modules contributing ``register_train(subparsers)``, in help order.
 TRAINER_MODULES: tuple[str, ...] = (
-    "compaction_gym.trainers.grpo_cli",
-    "compaction_gym.trainers.tree.cli",
+    "compaction_gym.trainers.grpo.cli",
+    "compaction_gym.trainers.tree_sft.cli",
     "compaction_gym.trainers.gjs.cli",
-    "compaction_gym.trainers.demos",
 )
 
 

@@ -28,10 +28,10 @@ import torch
 
 from compaction_gym.agents import CompactionAgent, Trajectory, run_episodes
 from compaction_gym.agents.prompts import PromptFormat
+from compaction_gym.backends import LocalBackend
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 from compaction_gym.engine.attention import ATTENTION_NAME
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.servers import LocalBackend
 from compaction_gym.trainers.replay_attention import unwrap, use_attention
 
 #: Makes one env instance.

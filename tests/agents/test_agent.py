@@ -7,7 +7,7 @@ import pytest
 
 import compaction_gym  # noqa: F401  (registers the env ids)
 from compaction_gym.agents import CompactionAgent, act_batch, run_episode, run_episodes
-from compaction_gym.agents.testing import ScriptedBackend
+from compaction_gym.backends.scripted import ScriptedBackend
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.envs.babyai.prompts import PLAIN_AGENT_SUFFIX
 from compaction_gym.errors import InvalidArgumentError

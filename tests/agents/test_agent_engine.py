@@ -7,8 +7,8 @@ import pytest
 
 import compaction_gym  # noqa: F401
 from compaction_gym.agents import CompactionAgent, run_episode, run_episodes
+from compaction_gym.backends import Backend, LocalBackend
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
-from compaction_gym.servers import Backend, LocalBackend
 
 MAX_STEPS = 3
 #: One config per mode, each with a trigger that fires within 3 BabyAI turns of the tiny model

@@ -6,9 +6,9 @@ import pytest
 from engine_helpers import make_prompt
 
 from compaction_gym.agents import CompactionAgent
+from compaction_gym.backends import LocalBackend
 from compaction_gym.engine import CompactionConfig, SamplingParams, StepRequest
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.servers import LocalBackend
 
 P, OBS, RESP = 10, 4, 6  # prompt, observation and response lengths
 T = OBS + RESP  # rows of one complete turn

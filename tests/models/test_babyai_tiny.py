@@ -7,8 +7,8 @@ import json
 import pytest
 
 from compaction_gym import models
-from compaction_gym.agents.models import model_defaults, resolve_model
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.models.registry import model_defaults, resolve_model
 
 #: Smoke evaluation: episodes per task (held-out seeds 0..N-1, greedy, full KV, the CPU engine's default
 #: 4096-row sessions, so a looping episode stops early and counts as a failure) and the loose bound on

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from compaction_gym.demos.recorder import expert_corpus
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.models.build import BaseModelConfig, build_base_model, object_tokens
-from compaction_gym.trainers.demos import expert_corpus
 
 TINY = dict(layers=1, hidden=64, heads=1, kv_heads=1, intermediate=64)
 

@@ -8,12 +8,12 @@ import threading
 import pytest
 from server_helpers import assert_same_result, load_engine, running_server
 
+from compaction_gym.backends import LocalBackend
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest
 from compaction_gym.errors import CapacityError, InvalidArgumentError
 from compaction_gym.servers.app import create_app
 from compaction_gym.servers.args import ServerArgs
-from compaction_gym.servers.backend import LocalBackend
 from compaction_gym.servers.http_backend import HTTPBackend
 from compaction_gym.servers.worker import EngineWorker
 

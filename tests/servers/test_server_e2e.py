@@ -14,12 +14,12 @@ import httpx
 import pytest
 from server_helpers import assert_same_result, load_engine, running_server, wait_until
 
+from compaction_gym.backends import LocalBackend
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest
 from compaction_gym.errors import InvalidArgumentError, UnknownSessionError
 from compaction_gym.servers.app import create_app
 from compaction_gym.servers.args import ServerArgs
-from compaction_gym.servers.backend import LocalBackend
 from compaction_gym.servers.http_backend import HTTPBackend
 
 KV_BUDGET = CompactionConfig(mode="attention_matching", max_kv_len=40, compact_window=16)
@@ -81,7 +81,7 @@ def _session_script(b, sid: str, config) -> list:
 
 
 def test_http_backend_is_a_backend_with_the_servers_tokenizer(url, tiny_model_path, tiny_tokenizer):
-    from compaction_gym.servers.backend import Backend
+    from compaction_gym.backends import Backend
 
     lazy = HTTPBackend(url)  # no tokenizer given: loaded from the model path the server reports
     assert isinstance(lazy, Backend)

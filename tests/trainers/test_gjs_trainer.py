@@ -23,7 +23,7 @@ def _one_thread():
 
 
 def _config(tmp_path: Path, **kwargs):
-    from compaction_gym.trainers.gjs.trainer_config import GJSDistillationConfig
+    from compaction_gym.trainers.gjs.gjs_config import GJSDistillationConfig
 
     defaults = dict(
         env_id="AttnMatch-Math-v0",
@@ -47,7 +47,7 @@ def _config(tmp_path: Path, **kwargs):
 def _trainer(model_path, args, cls=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compaction_gym.trainers.gjs.trainer import GJSDistillationTrainer
+    from compaction_gym.trainers.gjs.gjs_trainer import GJSDistillationTrainer
 
     cls = cls or GJSDistillationTrainer
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -91,7 +91,7 @@ def _scalars(output_dir: Path) -> dict[str, list[float]]:
 
 # ------------------------------------------------------------------------------------ step 1 is GJS
 def test_first_step_is_topk_gjs_logged_to_tensorboard(tiny_model_path, tmp_path):
-    from compaction_gym.trainers.gjs.trainer import GJSDistillationTrainer
+    from compaction_gym.trainers.gjs.gjs_trainer import GJSDistillationTrainer
 
     seen = {}
 
@@ -142,7 +142,7 @@ def test_first_step_is_topk_gjs_logged_to_tensorboard(tiny_model_path, tmp_path)
 
 # ------------------------------------------------------------------------------------ IS ratios
 def test_is_ratios_are_exact_for_tokens_outside_the_topk(tiny_model_path, tmp_path):
-    from compaction_gym.trainers.gjs.trainer import GJSDistillationTrainer
+    from compaction_gym.trainers.gjs.gjs_trainer import GJSDistillationTrainer
 
     steps = []
 
@@ -196,7 +196,7 @@ def test_is_ratios_are_exact_for_tokens_outside_the_topk(tiny_model_path, tmp_pa
 
 # ------------------------------------------------------------------------------------ a 3-step run
 def test_three_step_run_with_compacted_rollouts(tiny_model_path, tmp_path):
-    from compaction_gym.trainers.gjs.trainer import GJSDistillationTrainer
+    from compaction_gym.trainers.gjs.gjs_trainer import GJSDistillationTrainer
 
     seen = []
 
@@ -300,7 +300,7 @@ def test_choose_contexts():
 
 
 def test_config_validation(tmp_path):
-    from compaction_gym.trainers.gjs.trainer_config import GJSDistillationConfig
+    from compaction_gym.trainers.gjs.gjs_config import GJSDistillationConfig
 
     args = _config(tmp_path, gjs_k=7, gjs_alpha=0.25, gjs_support="union", gjs_normalize=True)
     cfg = args.gjs_loss_config

@@ -45,7 +45,11 @@ def tensorboard_scalars(root: Path) -> dict[str, list[float]]:
 
 
 def test_three_step_grpo_run(tiny_model_path, tmp_path):
-    from compaction_gym.trainers.grpo import CompactionGRPOConfig, CompactionGRPOTrainer, env_reward
+    from compaction_gym.trainers.grpo.grpo_trainer import (
+        CompactionGRPOConfig,
+        CompactionGRPOTrainer,
+        env_reward,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -91,7 +95,7 @@ def test_three_step_grpo_run(tiny_model_path, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo", "luspo"])
 def test_every_trl_loss_type_runs(tiny_model_path, tmp_path, loss_type):
-    from compaction_gym.trainers.grpo import CompactionGRPOConfig, CompactionGRPOTrainer
+    from compaction_gym.trainers import CompactionGRPOConfig, CompactionGRPOTrainer
 
     args = CompactionGRPOConfig(
         str(tmp_path),
@@ -144,13 +148,13 @@ def test_grpo_cli_lora_reference_and_old_logprobs(tiny_model_path, tmp_path, cap
 
 def test_grpo_cli_modes_are_the_engines():
     from compaction_gym.engine.config import COMPACTION_MODES
-    from compaction_gym.trainers.grpo_cli import COMPACTION_MODES as CLI_MODES
+    from compaction_gym.trainers.grpo.cli import COMPACTION_MODES as CLI_MODES
 
     assert CLI_MODES == COMPACTION_MODES
 
 
 def test_config_validation(tmp_path):
-    from compaction_gym.trainers.grpo import CompactionGRPOConfig
+    from compaction_gym.trainers.grpo.grpo_config import CompactionGRPOConfig
 
     def make(**kwargs):
         return CompactionGRPOConfig(str(tmp_path), bf16=False, use_cpu=True, **kwargs)

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 import compaction_gym  # noqa: F401  (registers the env ids)
 from compaction_gym.agents import CompactionAgent, Trajectory, run_episode
+from compaction_gym.backends import LocalBackend
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.servers import LocalBackend
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
 
 TOL = 1e-4

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.script_args import (
+from compaction_gym.cli_args import (
     add_dataclass_arguments,
     flag,
     load_script_arguments,
     run_script,
     script_parser,
 )
+from compaction_gym.errors import InvalidArgumentError
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 
 from compaction_gym.agents.trajectory import Trajectory, Turn
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.tree import (
+from compaction_gym.trainers.tree_sft import (
     Tree,
     TreeNode,
     add_tree_stats,

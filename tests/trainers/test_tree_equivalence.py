@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tree_helpers import one_thread, random_tree
 
-from compaction_gym.trainers.tree import (
+from compaction_gym.trainers.tree_sft import (
     Tree,
     TreeNode,
     branch_loss,

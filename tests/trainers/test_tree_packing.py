@@ -9,7 +9,7 @@ import torch
 from tree_helpers import ancestors_or_self, one_thread, preorder, random_tree
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.tree import (
+from compaction_gym.trainers.tree_sft import (
     InvalidTreeError,
     Tree,
     TreeNode,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tree_helpers import one_thread, random_tree
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.tree import Tree, TreeNode, tree_from_trajectories, trees_to_dataset
+from compaction_gym.trainers.tree_sft import Tree, TreeNode, tree_from_trajectories, trees_to_dataset
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,8 +27,8 @@ def demonstrations(tiny_model_path):
     import gymnasium as gym
 
     from compaction_gym.agents import CompactionAgent, run_episode
+    from compaction_gym.backends import LocalBackend
     from compaction_gym.envs.babyai.expert import expert_action
-    from compaction_gym.servers import LocalBackend
 
     backend = LocalBackend.from_pretrained(str(tiny_model_path), max_slots=1)
     agent = CompactionAgent(backend, prompt="balrog")
@@ -55,7 +55,7 @@ def demo_trees(demonstrations):
 
 
 def _config(tmp_path, name, **kwargs):
-    from compaction_gym.trainers.tree_sft import TreeSFTConfig
+    from compaction_gym.trainers.tree_sft.tree_sft_config import TreeSFTConfig
 
     defaults = dict(
         use_cpu=True,
@@ -76,7 +76,7 @@ def _config(tmp_path, name, **kwargs):
 def _train(model_path, tokenizer, args, trees):
     from transformers import AutoModelForCausalLM
 
-    from compaction_gym.trainers.tree_sft import TreeSFTTrainer
+    from compaction_gym.trainers.tree_sft.tree_sft_trainer import TreeSFTTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     trainer = TreeSFTTrainer(model, args, train_dataset=trees, processing_class=tokenizer)
@@ -162,7 +162,7 @@ def test_config_validation(tmp_path):
 def test_trainer_data_checks(tmp_path, tiny_model_path, tiny_tokenizer, caplog):
     from transformers import AutoModelForCausalLM
 
-    from compaction_gym.trainers.tree_sft import TreeCollator, TreeSFTTrainer
+    from compaction_gym.trainers.tree_sft.tree_sft_trainer import TreeCollator, TreeSFTTrainer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
     long_tree = Tree([TreeNode(-1, [5] * 30), TreeNode(0, [6, 7]), TreeNode(0, [8, 9])])

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from compaction_gym.trainers.tree import Tree, TreeNode
+from compaction_gym.trainers.tree_sft import Tree, TreeNode
 
 
 def random_tree(rng: random.Random, vocab: int, *, max_nodes: int = 9, max_len: int = 7) -> Tree:

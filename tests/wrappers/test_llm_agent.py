@@ -8,11 +8,11 @@ from gymnasium.wrappers import RecordEpisodeStatistics
 
 import compaction_gym  # noqa: F401
 from compaction_gym.agents import CompactionAgent, Trajectory
-from compaction_gym.agents.testing import ScriptedBackend
+from compaction_gym.backends import LocalBackend
+from compaction_gym.backends.scripted import ScriptedBackend
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.envs.babyai.expert import expert_action
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.servers import LocalBackend
 from compaction_gym.wrappers import LLMAgentWrapper
 
 

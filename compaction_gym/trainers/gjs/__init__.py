@@ -10,8 +10,8 @@ Example:
     (torch.Size([4]), 'topk_gjs')
 """
 
-from compaction_gym.trainers.gjs.config import DIVERGENCE_MODES, SUPPORTS, GJSLossConfig, divergence_mode
 from compaction_gym.trainers.gjs.loss import topk_gjs, topk_gjs_from_lists, topk_gjs_from_teacher_topk
+from compaction_gym.trainers.gjs.loss_config import DIVERGENCE_MODES, SUPPORTS, GJSLossConfig, divergence_mode
 
 __all__ = [
     "DIVERGENCE_MODES",

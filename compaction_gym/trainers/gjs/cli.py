@@ -8,7 +8,7 @@ Example::
 
 The TOML file holds any of the flags' names (``model = "..."``, ``gjs_k = 20``), ``env_kwargs`` and
 ``compaction`` tables, and an optional ``[training]`` table passed straight to
-:class:`~compaction_gym.trainers.gjs.trainer_config.GJSDistillationConfig`.
+:class:`~compaction_gym.trainers.gjs.gjs_config.GJSDistillationConfig`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.script_args import (
+from compaction_gym.cli_args import (
     add_dataclass_arguments,
     add_script_command,
     flag,
@@ -29,6 +28,7 @@ from compaction_gym.trainers.script_args import (
     run_script,
     script_parser,
 )
+from compaction_gym.errors import InvalidArgumentError
 
 #: Script fields copied verbatim onto GJSDistillationConfig.
 _CONFIG_FIELDS = (
@@ -144,8 +144,8 @@ def main(script: GJSScriptArguments) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compaction_gym.trainers.gjs.trainer import GJSDistillationTrainer
-    from compaction_gym.trainers.gjs.trainer_config import GJSDistillationConfig
+    from compaction_gym.trainers.gjs.gjs_config import GJSDistillationConfig
+    from compaction_gym.trainers.gjs.gjs_trainer import GJSDistillationTrainer
 
     cuda = torch.cuda.is_available()
     dtype_name = script.dtype if script.dtype != "auto" else ("bfloat16" if cuda else "float32")

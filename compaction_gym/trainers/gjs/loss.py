@@ -34,7 +34,7 @@ from compaction_gym.trainers.gjs._inputs import (
     mask,
     support_from_tops,
 )
-from compaction_gym.trainers.gjs.config import GJSLossConfig
+from compaction_gym.trainers.gjs.loss_config import GJSLossConfig
 
 # ----------------------------------------------------------------------------------------------
 # Public entry points

@@ -1,4 +1,4 @@
-"""``compaction-gym train demos``: templated reasoning, the noisy expert teacher, SFT targets, CLI."""
+"""``compaction-gym demos``: templated reasoning, the noisy expert teacher, SFT targets, CLI."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import gymnasium as gym
 import pytest
 
 import compaction_gym  # noqa: F401  (registers the env ids)
+from compaction_gym.demos.cli import parse_script_arguments
+from compaction_gym.demos.recorder import demo_sequence
+from compaction_gym.envs.babyai.reasoning import babyai_reasoning, demo_text, mission_goals
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.demos import (
-    ExpertDemoWrapper,
-    babyai_reasoning,
-    demo_sequence,
-    demo_text,
-    mission_goals,
-    parse_script_arguments,
-)
+from compaction_gym.wrappers.expert_demos import ExpertDemoWrapper
 
 
 @pytest.mark.parametrize(
@@ -116,11 +112,11 @@ def test_train_seeds_must_avoid_eval_seeds(tmp_path):
 
 
 def record_compacted_demos(model, out, task: str) -> int:
-    """``train demos``: 2 noisy episodes of ``task`` through sessions compacted at 256 rows."""
+    """``demos``: 2 noisy episodes of ``task`` through sessions compacted at 256 rows."""
     from compaction_gym.cli import main
 
     return main(
-        ["train", "demos", "--model", str(model), "--output-dir", str(out), "--tasks", task,
+        ["demos", "--model", str(model), "--output-dir", str(out), "--tasks", task,
          "--episodes-per-task", "2", "--batch", "2", "--noise", "0.2", "--max-kv-len", "256",
          "--compact-window", "128", "--threads", "1", "--device", "cpu"]
     )  # fmt: skip
@@ -128,7 +124,7 @@ def record_compacted_demos(model, out, task: str) -> int:
 
 def test_demos_command_writes_trajectories_trees_and_manifest(tiny_model_path, tmp_path):
     from compaction_gym.agents import read_jsonl
-    from compaction_gym.trainers.tree.tree import Tree
+    from compaction_gym.trainers.tree_sft.tree import Tree
 
     out = tmp_path / "demos"
     assert record_compacted_demos(tiny_model_path, out, "goto") == 0
@@ -149,7 +145,7 @@ def test_workers_record_the_same_trees_as_one_process(tiny_model_path, tmp_path)
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         rc = main(
-            ["train", "demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "goto",
+            ["demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "goto",
              "pickup", "--episodes-per-task", "2", "--batch", "1", "--noise", "0.2",
              "--threads", "1", "--device", "cpu", "--workers", str(workers)]
         )  # fmt: skip
@@ -182,7 +178,7 @@ def test_max_turns_cuts_episodes_into_kept_opening_demos(tiny_model_path, tmp_pa
 
     out = tmp_path / "openings"
     rc = main(
-        ["train", "demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "putnext",
+        ["demos", "--model", str(tiny_model_path), "--output-dir", str(out), "--tasks", "putnext",
          "--episodes-per-task", "3", "--batch", "3", "--max-turns", "2", "--group-size", "3",
          "--threads", "1", "--device", "cpu"]
     )  # fmt: skip

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.script_args import (
+from compaction_gym.cli_args import (
     add_dataclass_arguments,
     add_script_command,
     load_script_arguments,
     run_script,
     script_parser,
 )
+from compaction_gym.errors import InvalidArgumentError
 
 DATASET_FORMATS = ("auto", "tree", "chat", "trajectory")
 
@@ -179,8 +179,12 @@ def load_tree_dataset(script: TreeSFTScriptArguments, tokenizer=None):
     """Read ``script.dataset`` (files concatenated in order) and return a ``datasets.Dataset`` of tree rows."""
     from datasets import Dataset, load_from_disk
 
-    from compaction_gym.trainers.tree.builders import tree_from_chat, tree_from_trajectories, trees_to_dataset
-    from compaction_gym.trainers.tree.tree import Tree
+    from compaction_gym.trainers.tree_sft.builders import (
+        tree_from_chat,
+        tree_from_trajectories,
+        trees_to_dataset,
+    )
+    from compaction_gym.trainers.tree_sft.tree import Tree
 
     paths = dataset_paths(script.dataset)
     rows: Dataset | list[dict[str, Any]] = []
@@ -236,7 +240,7 @@ def main(script: TreeSFTScriptArguments) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compaction_gym.trainers.tree.builders import add_tree_stats, select_trees
+    from compaction_gym.trainers.tree_sft.builders import add_tree_stats, select_trees
 
     tokenizer = AutoTokenizer.from_pretrained(script.model)
     dataset = load_tree_dataset(script, tokenizer)
@@ -261,7 +265,7 @@ def main(script: TreeSFTScriptArguments) -> int:
     if script.dry_run:
         return 0
 
-    from compaction_gym.trainers.tree_sft import TreeSFTConfig, TreeSFTTrainer
+    from compaction_gym.trainers import TreeSFTConfig, TreeSFTTrainer
 
     cuda = torch.cuda.is_available()
     dtype_name = script.dtype if script.dtype != "auto" else ("bfloat16" if cuda else "float32")
@@ -298,7 +302,7 @@ def main(script: TreeSFTScriptArguments) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """A standalone parser (``python -m compaction_gym.trainers.tree.cli``)."""
+    """A standalone parser (``python -m compaction_gym.trainers.tree_sft.cli``)."""
     return script_parser("compaction-gym train sft", __doc__, add_arguments)
 
 

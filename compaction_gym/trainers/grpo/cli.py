@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from compaction_gym.trainers.script_args import (
+from compaction_gym.cli_args import (
     add_dataclass_arguments,
     add_script_command,
     load_script_arguments,
@@ -153,8 +153,8 @@ def main(script: GRPOScriptArguments) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compaction_gym.agents.models import resolve_model
-    from compaction_gym.trainers.grpo import CompactionGRPOConfig, CompactionGRPOTrainer
+    from compaction_gym.models.registry import resolve_model
+    from compaction_gym.trainers import CompactionGRPOConfig, CompactionGRPOTrainer
 
     path = resolve_model(script.model)
     cuda = torch.cuda.is_available()
@@ -203,12 +203,12 @@ def main(script: GRPOScriptArguments) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """A standalone parser (``python -m compaction_gym.trainers.grpo_cli``)."""
+    """A standalone parser (``python -m compaction_gym.trainers.grpo.cli``)."""
     return script_parser("compaction-gym train grpo", __doc__, add_arguments)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    """``python -m compaction_gym.trainers.grpo_cli ...``."""
+    """``python -m compaction_gym.trainers.grpo.cli ...``."""
     return run(make_parser().parse_args(argv))
 
 

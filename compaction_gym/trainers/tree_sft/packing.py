@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.tree.tree import Tree, TreeTooLongError
+from compaction_gym.trainers.tree_sft.tree import Tree, TreeTooLongError
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -110,13 +110,13 @@ class PackedTree:
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``[N, N]`` bool ancestor-only mask, ``mask[q, k]`` = query q may attend key k."""
-        from compaction_gym.trainers.tree.masks import dense_tree_mask
+        from compaction_gym.trainers.tree_sft.masks import dense_tree_mask
 
         return dense_tree_mask(self.subtree_end.to(device))
 
     def block_mask(self, device: torch.device | str | None = None) -> BlockMask:
         """FlexAttention ``BlockMask`` of the same mask (cached per tree shape and device)."""
-        from compaction_gym.trainers.tree.masks import tree_block_mask
+        from compaction_gym.trainers.tree_sft.masks import tree_block_mask
 
         return tree_block_mask(self, device=device)
 
@@ -205,7 +205,7 @@ def pack_tree(tree: Tree, *, seq_len: int | None = None, max_packed_tokens: int 
         TreeTooLongError: a limit is exceeded.
 
     Example:
-        >>> from compaction_gym.trainers.tree import Tree, TreeNode
+        >>> from compaction_gym.trainers.tree_sft import Tree, TreeNode
         >>> p = pack_tree(Tree([TreeNode(-1, [5, 6]), TreeNode(0, [7]), TreeNode(0, [8, 9])]))
         >>> p.position_ids.tolist(), p.prev_map.tolist()
         ([0, 1, 2, 2, 3], [-1, 0, 1, 1, 3])

@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from compaction_gym.trainers.tree.packing import PackedTree
+    from compaction_gym.trainers.tree_sft.packing import PackedTree
 
 logger = logging.getLogger(__name__)
 

@@ -1,63 +1,14 @@
-"""The session-API protocol every backend implements, and the in-process one (DESIGN §6).
-
-Agents only ever talk to a :class:`Backend`: the embedded engine (:class:`LocalBackend`, the
-default), our HTTP server's client, or vLLM. The four session verbs have exactly the engine's
-signatures, so a backend is a thin adapter.
-"""
+"""The in-process backend: the embedded engine behind the :class:`~compaction_gym.backends.Backend` protocol."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest, StepResult
 
 if TYPE_CHECKING:
     from compaction_gym.engine import Engine
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What an agent needs from an inference backend.
-
-    Attributes:
-        tokenizer: the model's Hugging Face tokenizer (``None`` if the backend has none; agents
-            then need one passed explicitly).
-
-    Methods mirror :class:`compaction_gym.engine.Engine`:
-
-    * ``create_session(prompt_ids, config=None, sampling=None, *, session_id=None)`` prefills the
-      protected prompt and generates unless ``sampling.max_new_tokens == 0``.
-    * ``step(session_id, new_ids, sampling=None)`` feeds ``new_ids`` then generates.
-    * ``step_batch(requests)`` steps many sessions at once, each with its own parameters
-      (``LocalBackend`` and ``HTTPBackend`` also accept ``CreateRequest`` items, which open
-      sessions in the same batch).
-    * ``close(session_id)`` frees the session.
-
-    Errors: :class:`~compaction_gym.errors.UnknownSessionError`,
-    :class:`~compaction_gym.errors.CapacityError`,
-    :class:`~compaction_gym.errors.InvalidArgumentError`.
-    """
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    def create_session(
-        self,
-        prompt_ids: list[int],
-        config: CompactionConfig | None = None,
-        sampling: SamplingParams | None = None,
-        *,
-        session_id: str | None = None,
-    ) -> StepResult: ...
-
-    def step(
-        self, session_id: str, new_ids: list[int], sampling: SamplingParams | None = None
-    ) -> StepResult: ...
-
-    def step_batch(self, requests: list[StepRequest]) -> list[StepResult]: ...
-
-    def close(self, session_id: str) -> None: ...
 
 
 class LocalBackend:
@@ -114,8 +65,15 @@ class LocalBackend:
     ) -> StepResult:
         return self.engine.create_session(prompt_ids, config, sampling, session_id=session_id)
 
-    def step(self, session_id: str, new_ids: list[int], sampling: SamplingParams | None = None) -> StepResult:
-        return self.engine.step(session_id, new_ids, sampling)
+    def step(
+        self,
+        session_id: str,
+        new_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        response_complete: bool = False,
+    ) -> StepResult:
+        return self.engine.step(session_id, new_ids, sampling, response_complete=response_complete)
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:
         return self.engine.step_batch(requests)

@@ -1,6 +1,6 @@
 """``GJSDistillationConfig``: :class:`CompactionGRPOConfig` plus the top-K GJS self-distillation settings.
 
-Kept apart from :mod:`compaction_gym.trainers.gjs.config` so that the loss stays importable without trl.
+Kept apart from :mod:`compaction_gym.trainers.gjs.loss_config` so that the loss stays importable without trl.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass, field
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.gjs.config import SUPPORTS, GJSLossConfig
-from compaction_gym.trainers.grpo import CompactionGRPOConfig
+from compaction_gym.trainers.gjs.loss_config import SUPPORTS, GJSLossConfig
+from compaction_gym.trainers.grpo.grpo_config import CompactionGRPOConfig
 
 logger = logging.getLogger(__name__)
 

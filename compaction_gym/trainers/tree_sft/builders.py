@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.tree.tree import Tree, TreeNode
+from compaction_gym.trainers.tree_sft.tree import Tree, TreeNode
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -1,8 +1,8 @@
 """Tree-packed SFT: trees of token nodes, DFS packing with ancestor-only attention, and a weighted
 NLL that equals per-branch training exactly. Pure torch (no trl); the trainer is
-:class:`compaction_gym.trainers.tree_sft.TreeSFTTrainer`."""
+:class:`compaction_gym.trainers.TreeSFTTrainer`."""
 
-from compaction_gym.trainers.tree.builders import (
+from compaction_gym.trainers.tree_sft.builders import (
     add_tree_stats,
     branching_score,
     chat_samples,
@@ -18,7 +18,7 @@ from compaction_gym.trainers.tree.builders import (
     tree_stats,
     trees_to_dataset,
 )
-from compaction_gym.trainers.tree.loss import (
+from compaction_gym.trainers.tree_sft.loss import (
     attn_implementation_of,
     branch_batch,
     branch_loss,
@@ -27,14 +27,14 @@ from compaction_gym.trainers.tree.loss import (
     tree_loss,
     tree_nll_loss,
 )
-from compaction_gym.trainers.tree.masks import (
+from compaction_gym.trainers.tree_sft.masks import (
     clear_block_mask_cache,
     dense_tree_mask,
     set_block_mask_cache_size,
     tree_block_mask,
     tree_mask_mod,
 )
-from compaction_gym.trainers.tree.packing import (
+from compaction_gym.trainers.tree_sft.packing import (
     ATTN_IMPLEMENTATIONS,
     NORMALIZERS,
     PackedTree,
@@ -42,7 +42,7 @@ from compaction_gym.trainers.tree.packing import (
     pack_tree,
     tree_fits,
 )
-from compaction_gym.trainers.tree.tree import InvalidTreeError, Tree, TreeNode, TreeTooLongError
+from compaction_gym.trainers.tree_sft.tree import InvalidTreeError, Tree, TreeNode, TreeTooLongError
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.trainers.tree.packing import (
+from compaction_gym.trainers.tree_sft.packing import (
     Normalizer,
     PackedTree,
     check_attn_implementation,
     check_normalizer,
     pack_tree,
 )
-from compaction_gym.trainers.tree.tree import Tree
+from compaction_gym.trainers.tree_sft.tree import Tree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

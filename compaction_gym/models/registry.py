@@ -58,7 +58,7 @@ def resolve_model(spec: str | os.PathLike[str]) -> str:
 
 def _tiny_random() -> str:
     """A 2-layer random Qwen3 with a small BPE tokenizer, built once into the cache (offline)."""
-    from compaction_gym.testing import make_tiny_model
+    from compaction_gym.models.tiny import make_tiny_model
 
     path = cache_dir() / "models" / "tiny-random"
     if not (path / "config.json").exists():

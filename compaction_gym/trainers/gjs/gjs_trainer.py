@@ -36,8 +36,9 @@ from trl.trainer.utils import pad
 from compaction_gym.agents.chat import ChatFormat
 from compaction_gym.agents.trajectory import Trajectory
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.gjs.config import GJSLossConfig, divergence_mode
+from compaction_gym.trainers.gjs.gjs_config import GJSDistillationConfig
 from compaction_gym.trainers.gjs.loss import topk_gjs, topk_gjs_from_teacher_topk
+from compaction_gym.trainers.gjs.loss_config import GJSLossConfig, divergence_mode
 from compaction_gym.trainers.gjs.teacher import (
     FeedbackFunc,
     choose_contexts,
@@ -48,8 +49,7 @@ from compaction_gym.trainers.gjs.teacher import (
     strip_thinking,
     teacher_prompt_ids,
 )
-from compaction_gym.trainers.gjs.trainer_config import GJSDistillationConfig
-from compaction_gym.trainers.grpo import CompactionGRPOTrainer
+from compaction_gym.trainers.grpo.grpo_trainer import CompactionGRPOTrainer
 from compaction_gym.trainers.rollouts import completion_start
 
 

@@ -154,10 +154,10 @@ def make_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m compaction_gym.testing PATH``: write a tiny random model + tokenizer to PATH."""
+    """``python -m compaction_gym.models.tiny PATH``: write a tiny random model + tokenizer to PATH."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m compaction_gym.testing", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m compaction_gym.models.tiny", description=main.__doc__)
     parser.add_argument("path", help="output directory")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)

@@ -1,4 +1,4 @@
-"""A model-free :class:`~compaction_gym.servers.Backend` for testing agents and wrappers.
+"""A model-free :class:`~compaction_gym.backends.Backend` for testing agents and wrappers.
 
 :class:`ScriptedBackend` "generates" scripted texts, so agent logic (chat framing, token
 accounting, teacher forcing, batching) can be tested exactly and in milliseconds.
@@ -85,9 +85,16 @@ class ScriptedBackend:
         self.calls.append(("create", sid, len(prompt_ids), sampling))
         return self._run(sid, list(prompt_ids), sampling or SamplingParams())
 
-    def step(self, session_id: str, new_ids: list[int], sampling: SamplingParams | None = None) -> StepResult:
+    def step(
+        self,
+        session_id: str,
+        new_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        response_complete: bool = False,
+    ) -> StepResult:
         self.batch_sizes.append(1)
-        return self._step(StepRequest(session_id, list(new_ids), sampling))
+        return self._step(StepRequest(session_id, list(new_ids), sampling, response_complete))
 
     def step_batch(self, requests: list[StepRequest]) -> list[StepResult]:
         self.batch_sizes.append(len(requests))

@@ -1,0 +1,1 @@
+"""Expert-bot demonstrations recorded through compacted sessions (``compaction-gym demos``)."""

@@ -1,1 +1,0 @@
-"""compaction_gym.leaderboard."""
