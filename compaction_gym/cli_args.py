@@ -51,6 +51,21 @@ def _kind(field: dataclasses.Field) -> str:
     return kind.split(" | ")[0].split("[")[0]
 
 
+def _item_type(field: dataclasses.Field) -> Any:
+    """Element type of a ``list[X]`` / ``tuple[X, ...]`` field (``str`` when not int or float)."""
+    text = str(field.type)
+    inner = text[text.find("[") + 1 :].split(",")[0].split("]")[0].strip() if "[" in text else "str"
+    return _SCALARS.get(inner, str)
+
+
+def _default_text(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default) if isinstance(field.default, str) else str(field.default)
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return str(field.default_factory())  # type: ignore[misc]
+    return "required"
+
+
 def add_dataclass_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
@@ -62,7 +77,8 @@ def add_dataclass_arguments(
 
     Args:
         parser: the parser (or argument group) to extend.
-        cls: a dataclass whose fields carry ``metadata={"help": ..., "choices": ...}``.
+        cls: a dataclass whose fields carry ``metadata={"help": ..., "choices": ..., "aliases": ...}``
+            (``aliases``: other field names that are accepted as flags too, e.g. ``ratio``).
         skip: fields that have no flag (TOML-only tables such as ``training``).
         config: also add ``--config``, the TOML file :func:`load_script_arguments` reads.
     """
@@ -72,23 +88,37 @@ def add_dataclass_arguments(
         )
     skipped = set(skip)
     for f in dataclasses.fields(cls):
-        if f.name in skipped:
+        if f.name in skipped or not f.init:
             continue
+        help_text = f.metadata.get("help", "")
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": argparse.SUPPRESS,
-            "help": f.metadata.get("help", ""),
+            "help": f"{help_text} (default: {_default_text(f)})".replace("%", "%%") if help_text else None,
         }
         kind = _kind(f)
         if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind == "list":
+        elif kind in ("list", "tuple"):
             kwargs["nargs"] = "+"
+            kwargs["type"] = _item_type(f)
         else:
             kwargs["type"] = json.loads if kind == "dict" else _SCALARS.get(kind, str)
         if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag(f.name), **kwargs)
+            kwargs["choices"] = list(f.metadata["choices"])
+        aliases = [flag(a) for a in f.metadata.get("aliases", ())]
+        parser.add_argument(flag(f.name), *aliases, **kwargs)
+
+
+def given_fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` that ``args`` sets (flags given), as ``{name: value}``;
+    list values of tuple fields become tuples."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            out[f.name] = tuple(value) if _kind(f) == "tuple" and isinstance(value, list) else value
+    return out
 
 
 def read_toml_config(config: str | Path, valid: Iterable[str], *, hint: str = "") -> dict[str, Any]:
@@ -137,7 +167,7 @@ def load_script_arguments(
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     config = getattr(args, "config", None)
     values = read_toml_config(config, names, hint=hint) if config else {}
-    values.update({k: v for k, v in vars(args).items() if k in names})
+    values.update(given_fields(cls, args))
     script = cls(**values)
     for name in required:
         if not getattr(script, name):

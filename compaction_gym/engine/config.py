@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from compaction_gym.compaction import COMPACTION_MODES as _COMPACT_MODES
@@ -48,13 +48,19 @@ class SamplingParams(_DictMixin):
         ignore_eos: keep generating through EOS (benchmarks).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 means greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 disables it"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens; 0 disables it"})
+    seed: int | None = field(
+        default=None, metadata={"help": "seeds this request's own RNG stream (unset: nondeterministic)"}
+    )
+    max_new_tokens: int = field(
+        default=256, metadata={"help": "sampled tokens per response (finish reason 'length' after them)"}
+    )
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata={"help": "extra stop tokens besides the model's EOS ids"}
+    )
+    ignore_eos: bool = field(default=False, metadata={"help": "keep generating through EOS (benchmarks)"})
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -106,21 +112,47 @@ class CompactionConfig(_DictMixin):
         budget_message_template: formatted with ``used``, ``total`` and ``remaining``.
     """
 
-    mode: CompactionMode = "none"
-    max_kv_len: int | None = None
-    compact_window: int | None = None
-    compact_target_ratio: float = 0.25
-    n_compacts: int = 99
-    max_total_tokens: int | None = None
-    n_protect_turns: int = -1
-    recompact_from_prompt: bool = False
-    protect_prompt: bool = True
-    queries: ProbeSource = "suffix"
-    n_probe_queries: int = 256
-    compute_beta: bool = False
-    ridge: float = 1e-4
-    inject_budget_message: bool = False
-    budget_message_template: str = DEFAULT_BUDGET_TEMPLATE
+    mode: CompactionMode = field(
+        default="none", metadata={"help": "compaction mode ('none': never compact)", "choices": COMPACTION_MODES}
+    )
+    max_kv_len: int | None = field(
+        default=None, metadata={"help": "KV-budget trigger: compact when the cache reaches this many rows"}
+    )
+    compact_window: int | None = field(
+        default=None, metadata={"help": "rows compacted per KV-budget event (default: max_kv_len // 2)"}
+    )
+    compact_target_ratio: float = field(
+        default=0.25, metadata={"help": "kept fraction of a compacted span, in (0, 1]", "aliases": ("ratio",)}
+    )
+    n_compacts: int = field(default=99, metadata={"help": "at most this many KV-budget events per session"})
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "cap on tokens generated in the session (finish reason 'budget')"}
+    )
+    n_protect_turns: int = field(
+        default=-1, metadata={"help": "turn-based trigger: keep the last k turns raw; -1 disables it"}
+    )
+    recompact_from_prompt: bool = field(
+        default=False, metadata={"help": "turn-based: re-compact everything after the prompt each time"}
+    )
+    protect_prompt: bool = field(default=True, metadata={"help": "never compact the session's creation prompt"})
+    queries: ProbeSource = field(
+        default="suffix",
+        metadata={"help": "probe queries: recent queries (suffix), cache keys (keys) or random", "choices": PROBE_SOURCES},
+    )
+    n_probe_queries: int = field(
+        default=256, metadata={"help": "probe queries per layer (recent positions kept, or random draws)"}
+    )
+    compute_beta: bool = field(
+        default=False, metadata={"help": "fit the per-key logit bias beta (attention_matching only)"}
+    )
+    ridge: float = field(default=1e-4, metadata={"help": "relative ridge strength of the C2 value solve"})
+    inject_budget_message: bool = field(
+        default=False, metadata={"help": "after each compaction event, feed the budget message"}
+    )
+    budget_message_template: str = field(
+        default=DEFAULT_BUDGET_TEMPLATE,
+        metadata={"help": "budget message, formatted with {used}, {total} and {remaining}"},
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in COMPACTION_MODES:
