@@ -121,20 +121,32 @@ def given_fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def read_toml_config(config: str | Path, valid: Iterable[str], *, hint: str = "") -> dict[str, Any]:
-    """The table of the TOML file ``config``, every key checked against ``valid``.
+def read_toml_config(
+    config: str | Path, valid: Iterable[str], *, hint: str = "", table: str | None = None
+) -> dict[str, Any]:
+    """The table of the config file ``config`` (TOML, or JSON for ``*.json``), keys checked against ``valid``.
+
+    Args:
+        table: a TOML table that may hold the keys instead of the top level (e.g. ``[server]``).
 
     Raises:
-        InvalidArgumentError: no such file, or unknown keys (the message lists the valid ones, then
-            ``hint`` in parentheses, e.g. where nested config fields go).
+        InvalidArgumentError: no such file, not a table, or unknown keys (the message lists the
+            valid ones, then ``hint`` in parentheses, e.g. where nested config fields go).
     """
     import tomllib
 
     path = Path(config)
     if not path.is_file():
         raise InvalidArgumentError(f"--config {config}: no such file")
-    with path.open("rb") as fh:
-        values = tomllib.load(fh)
+    if path.suffix == ".json":
+        values = json.loads(path.read_text())
+    else:
+        with path.open("rb") as fh:
+            values = tomllib.load(fh)
+    if table is not None and isinstance(values, dict) and isinstance(values.get(table), dict):
+        values = values[table]
+    if not isinstance(values, dict):
+        raise InvalidArgumentError(f"{config}: expected a table of options")
     names = set(valid)
     unknown = sorted(set(values) - names)
     if unknown:
@@ -145,7 +157,12 @@ def read_toml_config(config: str | Path, valid: Iterable[str], *, hint: str = ""
 
 
 def load_script_arguments(
-    cls: type[T], args: argparse.Namespace, *, required: Iterable[str] = (), hint: str = ""
+    cls: type[T],
+    args: argparse.Namespace,
+    *,
+    required: Iterable[str] = (),
+    hint: str = "",
+    table: str | None = None,
 ) -> T:
     """Merge the defaults of ``cls`` < the ``--config`` TOML file < the flags given in ``args``.
 
@@ -155,6 +172,7 @@ def load_script_arguments(
             of ``cls`` (``func``, the sub-command name, ...) are ignored.
         required: fields that must end up truthy, from a flag or the file.
         hint: appended to the unknown-key error, e.g. ``"TreeSFTConfig fields go in a [training] table"``.
+        table: the config file's table that holds the fields, if not the top level (``"server"``).
 
     Returns:
         The ``cls`` instance.
@@ -166,7 +184,7 @@ def load_script_arguments(
     """
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     config = getattr(args, "config", None)
-    values = read_toml_config(config, names, hint=hint) if config else {}
+    values = read_toml_config(config, names, hint=hint, table=table) if config else {}
     values.update(given_fields(cls, args))
     script = cls(**values)
     for name in required:

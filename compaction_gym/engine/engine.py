@@ -117,31 +117,19 @@ class Engine:
         capacity: int | None = None,
         **kwargs,
     ) -> Engine:
-        """Load a model (local path or hub id) and its tokenizer (``None`` if the path has none).
+        """Load a model (registered name, local path or hub id) and its tokenizer (``None`` if it has none).
 
         Args:
             dtype: weights and cache dtype (default: float32 on CPU, the checkpoint's dtype on GPU).
             device: default ``cuda`` when available, else ``cpu``.
             max_slots, capacity: see :class:`Engine`; other keyword arguments too.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from compaction_gym.models.registry import load_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str) and dtype != "auto":
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise InvalidArgumentError(
-                    f"dtype must be a torch dtype name like 'bfloat16' or 'auto', got {dtype!r}"
-                )
-            dtype = getattr(torch, dtype)
-        if dtype is None:
-            dtype = torch.float32 if device.type == "cpu" else "auto"
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_name_or_path), dtype=dtype, attn_implementation=register_attention()
-        ).to(device)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_name_or_path))
-        except (OSError, ValueError):
-            tokenizer = None
+        model, tokenizer = load_model(
+            model_name_or_path, dtype=dtype, device=device, attn_implementation=register_attention()
+        )
         return cls(model, tokenizer, max_slots=max_slots, capacity=capacity, **kwargs)
 
     # ------------------------------------------------------------ properties

@@ -1,6 +1,6 @@
 """Models shipped inside the package, usable offline by name.
 
-``babyai-tiny`` is a ~3.4M-parameter Qwen3 agent trained by this project's own pipeline (expert-bot
+``babyai-tiny`` is a 4,880,384-parameter (4.9 M) Qwen3 agent trained by this project's own pipeline (expert-bot
 demonstrations through :class:`~compaction_gym.wrappers.LLMAgentWrapper`, then tree SFT); its model
 card is ``compaction_gym/models/babyai-tiny/README.md``. Each bundled model is a ``save_pretrained``
 directory (``config.json``, ``model.safetensors``, tokenizer files) plus ``compaction_gym.json``
@@ -67,13 +67,10 @@ def load(name: str, *, dtype: Any = None, device: Any = None) -> tuple[Any, Any]
         :class:`~compaction_gym.engine.Engine`), use :func:`path`.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = path(name)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32)
-    if device is not None:
-        model = model.to(device)
-    return model.eval(), AutoTokenizer.from_pretrained(str(directory))
+    from compaction_gym.models.registry import load_model
+
+    return load_model(path(name), dtype=dtype or torch.float32, device=device)
 
 
 __all__ = ["BUNDLED_MODELS", "METADATA_FILE", "load", "metadata", "path"]

@@ -1,9 +1,10 @@
-"""Turning a ``--model`` argument into something ``from_pretrained`` can load.
+"""Turning a ``--model`` argument into a loaded model: :func:`resolve_model` and :func:`load_model`.
 
 Resolution order: an existing local directory; a name in :data:`MODEL_REGISTRY` (models this
 package can build or ships, e.g. ``tiny-random`` and the bundled ``babyai-tiny`` of
 :mod:`compaction_gym.models`); otherwise the string is passed through as a
-Hugging Face hub id. Extend with :func:`register_model`.
+Hugging Face hub id. Extend with :func:`register_model`. Every command (``eval``, ``serve``,
+``train ...``, ``demos``) and ``Engine.from_pretrained`` load through here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from compaction_gym.errors import InvalidArgumentError
 
@@ -54,6 +56,57 @@ def resolve_model(spec: str | os.PathLike[str]) -> str:
         known = ", ".join(sorted(MODEL_REGISTRY)) or "none"
         raise InvalidArgumentError(f"model path {text!r} does not exist (registered model names: {known})")
     return text  # a hub id such as "Qwen/Qwen3-0.6B"
+
+
+def resolve_dtype(dtype: Any, device: Any) -> Any:
+    """A ``torch.dtype`` (or ``"auto"``) from a dtype, its name (``"bfloat16"``) or ``None``
+    (float32 on CPU, the checkpoint's dtype on an accelerator).
+
+    Raises:
+        InvalidArgumentError: a name that is not a torch dtype.
+    """
+    import torch
+
+    if isinstance(dtype, str) and dtype != "auto":
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise InvalidArgumentError(f"dtype must be a torch dtype name like 'bfloat16' or 'auto', got {dtype!r}")
+        return getattr(torch, dtype)
+    if dtype is None:
+        return torch.float32 if torch.device(device or "cpu").type == "cpu" else "auto"
+    return dtype
+
+
+def load_model(
+    spec: str | os.PathLike[str],
+    *,
+    dtype: Any = None,
+    device: Any = None,
+    **model_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load ``spec`` (a registered name, a local directory or a hub id) as ``(model, tokenizer)``.
+
+    Args:
+        spec: what :func:`resolve_model` accepts.
+        dtype: a torch dtype, its name, ``"auto"``, or ``None`` (float32 on CPU, the checkpoint's
+            dtype elsewhere).
+        device: where to put the model (default: CPU).
+        **model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
+
+    Returns:
+        ``(model, tokenizer)``: the model in eval mode; ``tokenizer`` is ``None`` when the directory
+        has no tokenizer files.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **model_kwargs)
+    if device is not None:
+        model = model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model.eval(), tokenizer
 
 
 def _tiny_random() -> str:

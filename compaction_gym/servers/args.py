@@ -20,8 +20,10 @@ class ServerArgs:
     """
 
     # --- model (CLI only) ---
-    model: str | None = field(default=None, metadata={"help": "local path or hub id of a causal LM"})
-    dtype: str = field(default="auto", metadata={"help": f"weights dtype, one of {DTYPES}"})
+    model: str | None = field(
+        default=None, metadata={"help": "registered model name (babyai-tiny, tiny-random), local path or hub id"}
+    )
+    dtype: str = field(default="auto", metadata={"help": "weights dtype", "choices": DTYPES})
     device: str | None = field(default=None, metadata={"help": "torch device (default: cuda if available)"})
     max_slots: int = field(default=8, metadata={"help": "concurrent sessions (KV slots) the engine holds"})
     capacity: int | None = field(
@@ -36,7 +38,7 @@ class ServerArgs:
     # --- network ---
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind"})
     port: int = field(default=8000, metadata={"help": "TCP port to bind"})
-    log_level: str = field(default="info", metadata={"help": f"uvicorn log level, one of {LOG_LEVELS}"})
+    log_level: str = field(default="info", metadata={"help": "uvicorn log level", "choices": LOG_LEVELS})
     keep_alive_s: float = field(
         default=30.0,
         metadata={

@@ -1,77 +1,33 @@
 """``compaction-gym serve``: load a model into an engine and serve the session API with uvicorn.
 
 Every :class:`~compaction_gym.servers.args.ServerArgs` field is a flag (``--max-slots``,
-``--batch-window-ms``, ``--session-ttl-s``, ...); ``--config FILE`` (TOML or JSON) supplies
-defaults that flags override.
+``--batch-window-ms``, ``--session-ttl-s``, ...), built by :mod:`compaction_gym.cli_args` like every
+other command's; ``--config FILE`` (TOML, fields at the top level or in a ``[server]`` table, or
+JSON) supplies defaults that flags override. ``--model`` takes registered names (``babyai-tiny``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import types
-import typing
-from dataclasses import MISSING, fields
-from pathlib import Path
 from typing import Any
 
+from compaction_gym.cli_args import add_dataclass_arguments, load_script_arguments
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.servers.args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-def _scalar_type(annotation: Any) -> type:
-    """``int | None`` -> ``int``; plain types pass through."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return inner[0]
-    return annotation
-
-
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per ServerArgs field (defaults are ``SUPPRESS`` so ``--config`` can fill them)."""
-    hints = typing.get_type_hints(ServerArgs)
-    parser.add_argument("--config", type=Path, default=None, help="TOML or JSON file of ServerArgs fields")
-    for f in fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _scalar_type(hints[f.name])
-        default = f.default if f.default is not MISSING else None
-        help_text = f.metadata.get("help", "")
-        if "default" not in help_text:
-            help_text += f" (default: {default})"
-        if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
-            )
-        else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, dest=f.name)
+    """Add one flag per ServerArgs field, and ``--config`` (TOML, optionally a ``[server]`` table, or JSON)."""
+    add_dataclass_arguments(parser, ServerArgs)
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     """Merge ``--config`` (if any) with the flags given; flags win."""
-    data: dict[str, Any] = {}
-    if getattr(ns, "config", None) is not None:
-        data.update(_load_config(ns.config))
-    names = {f.name for f in fields(ServerArgs)}
-    data.update({k: v for k, v in vars(ns).items() if k in names})
-    return ServerArgs.from_dict(data)
-
-
-def _load_config(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        import tomllib
-
-        data = tomllib.loads(text)
-        data = data.get("server", data)  # allow a [server] table
-    if not isinstance(data, dict):
-        raise InvalidArgumentError(f"{path}: expected a table of ServerArgs fields")
-    return data
+    return load_script_arguments(ServerArgs, ns, table="server")
 
 
 def serve(args: ServerArgs) -> None:
@@ -82,7 +38,7 @@ def serve(args: ServerArgs) -> None:
     from compaction_gym.servers.app import create_app
 
     if not args.model:
-        raise InvalidArgumentError("serve needs --model PATH_OR_HUB_ID")
+        raise InvalidArgumentError("serve needs --model (a registered name such as babyai-tiny, a directory or a hub id)")
     if args.torch_threads is not None:
         import torch
 

@@ -18,7 +18,7 @@ from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest, StepResult
 from compaction_gym.errors import CapacityError, CompactionGymError, InvalidArgumentError
 from compaction_gym.servers.errors import ServerError, error_from_response
-from compaction_gym.servers.schemas import COMPACTION_FIELDS, from_response
+from compaction_gym.servers.schemas import COMPACTION_FIELDS, SAMPLING_FIELDS, from_response
 
 #: transport errors raised before the request reached the server: always safe to retry
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -28,24 +28,16 @@ def config_fields(config: CompactionConfig | None) -> dict[str, Any]:
     """A CompactionConfig as request fields (every field, so the server rebuilds it exactly)."""
     if config is None:
         return {}
-    out = {name: getattr(config, name) for name in COMPACTION_FIELDS}
-    out["compaction_mode"] = config.mode
-    return out
+    return {name: getattr(config, name) for name in COMPACTION_FIELDS}
 
 
 def sampling_fields(sampling: SamplingParams | None) -> dict[str, Any]:
     """SamplingParams as request fields (every field, so the server rebuilds it exactly)."""
     if sampling is None:
         return {}
-    return {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "seed": sampling.seed,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
-        "max_response_tokens": sampling.max_new_tokens,
-    }
+    out = {name: getattr(sampling, name) for name in SAMPLING_FIELDS}
+    out["stop_token_ids"] = list(sampling.stop_token_ids)
+    return out
 
 
 class HTTPBackend:

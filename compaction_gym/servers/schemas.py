@@ -1,7 +1,10 @@
-"""Pydantic request/response models of the session API, with the seeds' field names.
+"""Pydantic request/response models of the session API.
 
-Requests are strict (``"5"`` is not an int) and reject unknown fields, so a typo such as
-``max_tokens`` for ``max_response_tokens`` is a 422 naming it instead of a silently ignored knob.
+Request fields carry the names of :class:`~compaction_gym.engine.config.CompactionConfig` and
+:class:`~compaction_gym.engine.config.SamplingParams` (and their help texts); the seeds' names
+(:data:`SEED_ALIASES`) are accepted as aliases. Requests are strict (``"5"`` is not an int) and
+reject unknown fields, so a typo such as ``max_tokens`` for ``max_new_tokens`` is a 422 naming it
+instead of a silently ignored knob.
 Only the fields a client *sets* reach the engine's config objects, so defaults live in one place:
 :class:`~compaction_gym.engine.config.CompactionConfig` and
 :class:`~compaction_gym.engine.config.SamplingParams`.
@@ -9,11 +12,12 @@ Only the fields a client *sets* reach the engine's config objects, so defaults l
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from compaction_gym.engine.config import PROBE_SOURCES, CompactionConfig, SamplingParams
+from compaction_gym.engine.config import COMPACTION_MODES, PROBE_SOURCES, CompactionConfig, SamplingParams
 from compaction_gym.engine.types import StepResult
 
 _SP = SamplingParams()
@@ -22,25 +26,22 @@ _CC = CompactionConfig()
 TokenId = Annotated[int, Field(ge=0)]
 SessionId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
 
-#: request fields that map one to one onto SamplingParams
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
-#: request fields that map one to one onto CompactionConfig (besides compaction_mode)
-COMPACTION_FIELDS = (
-    "max_kv_len",
-    "compact_window",
-    "compact_target_ratio",
-    "n_compacts",
-    "max_total_tokens",
-    "n_protect_turns",
-    "recompact_from_prompt",
-    "protect_prompt",
-    "queries",
-    "n_probe_queries",
-    "compute_beta",
-    "ridge",
-    "inject_budget_message",
-    "budget_message_template",
-)
+#: request fields that map one to one onto SamplingParams / CompactionConfig: the dataclasses' own
+#: field names (the seeds' names ``max_response_tokens``, ``compaction_mode`` and
+#: ``use_suffix_queries`` are accepted as aliases, see docs/server.md)
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+COMPACTION_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(CompactionConfig))
+#: the seeds' request names, accepted besides the dataclass names: alias -> field
+SEED_ALIASES: dict[str, str] = {
+    "max_response_tokens": "max_new_tokens",
+    "compaction_mode": "mode",
+    "use_suffix_queries": "queries",
+}
+
+
+def _help(cls: type, name: str) -> str:
+    """The field's help text, declared once on the dataclass."""
+    return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
 
 
 class _Request(BaseModel):
@@ -50,17 +51,20 @@ class _Request(BaseModel):
 class SamplingFields(_Request):
     """Per-request sampling; unset fields keep the library (or, for a step, the session's) default."""
 
-    temperature: float = Field(_SP.temperature, ge=0, description="0 means greedy")
-    top_p: float = Field(_SP.top_p, gt=0, le=1)
-    top_k: int = Field(_SP.top_k, ge=0, description="0 disables it")
-    seed: int | None = Field(_SP.seed, description="seeds this request's own RNG stream")
-    stop_token_ids: list[TokenId] = Field(default_factory=list, description="stop tokens besides EOS")
-    ignore_eos: bool = _SP.ignore_eos
-    max_response_tokens: int | None = Field(
+    temperature: float = Field(_SP.temperature, ge=0, description=_help(SamplingParams, "temperature"))
+    top_p: float = Field(_SP.top_p, gt=0, le=1, description=_help(SamplingParams, "top_p"))
+    top_k: int = Field(_SP.top_k, ge=0, description=_help(SamplingParams, "top_k"))
+    seed: int | None = Field(_SP.seed, description=_help(SamplingParams, "seed"))
+    stop_token_ids: list[TokenId] = Field(
+        default_factory=list, description=_help(SamplingParams, "stop_token_ids")
+    )
+    ignore_eos: bool = Field(_SP.ignore_eos, description=_help(SamplingParams, "ignore_eos"))
+    max_new_tokens: int | None = Field(
         None,
         ge=0,
-        validation_alias=AliasChoices("max_response_tokens", "max_new_tokens"),
-        description=f"tokens to sample (alias max_new_tokens; default {_SP.max_new_tokens})",
+        validation_alias=AliasChoices("max_new_tokens", "max_response_tokens"),
+        description=f"{_help(SamplingParams, 'max_new_tokens')} (alias max_response_tokens; "
+        f"default {_SP.max_new_tokens})",
     )
 
     def sampling_overrides(self) -> dict[str, Any]:
@@ -68,8 +72,8 @@ class SamplingFields(_Request):
         out = {name: getattr(self, name) for name in SAMPLING_FIELDS if name in self.model_fields_set}
         if "stop_token_ids" in out:
             out["stop_token_ids"] = tuple(out["stop_token_ids"])
-        if self.max_response_tokens is not None:
-            out["max_new_tokens"] = self.max_response_tokens
+        if out.get("max_new_tokens", 0) is None:
+            del out["max_new_tokens"]
         return out
 
     def sampling(self) -> SamplingParams | None:
@@ -78,32 +82,39 @@ class SamplingFields(_Request):
         return SamplingParams(**overrides) if overrides else None
 
 
+def _cc(name: str, **constraints: Any) -> Any:
+    """A request field for ``CompactionConfig.name``: its default and help, plus range constraints."""
+    return Field(getattr(_CC, name), description=_help(CompactionConfig, name), **constraints)
+
+
 class CompactionFields(_Request):
     """Compaction settings of a new session (or a one-shot ``/compact_generate``)."""
 
-    compaction_mode: str | None = Field(
+    mode: str | None = Field(
         None,
-        description="compaction mode; default attention_matching when max_kv_len or n_protect_turns>=0 is set, else none",
+        validation_alias=AliasChoices("mode", "compaction_mode"),
+        description=f"{_help(CompactionConfig, 'mode')}, one of {COMPACTION_MODES} (alias compaction_mode); "
+        "default attention_matching when max_kv_len or n_protect_turns>=0 is set, else none",
     )
-    max_kv_len: int | None = Field(_CC.max_kv_len, gt=0, description="KV-budget trigger length")
-    compact_window: int | None = Field(
-        _CC.compact_window, gt=0, description="tokens compacted per KV-budget event"
+    max_kv_len: int | None = _cc("max_kv_len", gt=0)
+    compact_window: int | None = _cc("compact_window", gt=0)
+    compact_target_ratio: float = _cc("compact_target_ratio", gt=0, le=1)
+    n_compacts: int = _cc("n_compacts", ge=0)
+    max_total_tokens: int | None = _cc("max_total_tokens", gt=0)
+    n_protect_turns: int = _cc("n_protect_turns", ge=-1)
+    recompact_from_prompt: bool = _cc("recompact_from_prompt")
+    protect_prompt: bool = _cc("protect_prompt")
+    queries: Literal[PROBE_SOURCES] | None = Field(  # type: ignore[valid-type]
+        None, description=f"{_help(CompactionConfig, 'queries')}, one of {PROBE_SOURCES}"
     )
-    compact_target_ratio: float = Field(_CC.compact_target_ratio, gt=0, le=1)
-    n_compacts: int = Field(_CC.n_compacts, ge=0)
-    max_total_tokens: int | None = Field(_CC.max_total_tokens, gt=0)
-    n_protect_turns: int = Field(_CC.n_protect_turns, ge=-1, description="turn-based trigger; -1 disables it")
-    recompact_from_prompt: bool = _CC.recompact_from_prompt
-    protect_prompt: bool = _CC.protect_prompt
-    queries: Literal[PROBE_SOURCES] | None = Field(None, description=f"probe source, one of {PROBE_SOURCES}")  # type: ignore[valid-type]
     use_suffix_queries: bool | None = Field(
-        None, description="seeds' alias: true=suffix, false=random probes"
+        None, description="seeds' alias of queries: true=suffix, false=random probes"
     )
-    n_probe_queries: int = Field(_CC.n_probe_queries, gt=0)
-    compute_beta: bool = _CC.compute_beta
-    ridge: float = Field(_CC.ridge, ge=0)
-    inject_budget_message: bool = _CC.inject_budget_message
-    budget_message_template: str = Field(_CC.budget_message_template, max_length=4096)
+    n_probe_queries: int = _cc("n_probe_queries", gt=0)
+    compute_beta: bool = _cc("compute_beta")
+    ridge: float = _cc("ridge", ge=0)
+    inject_budget_message: bool = _cc("inject_budget_message")
+    budget_message_template: str = _cc("budget_message_template", max_length=4096)
 
     def compaction_config(self) -> CompactionConfig | None:
         """``CompactionConfig`` from the set fields, or ``None`` when none was set (engine default).
@@ -116,17 +127,17 @@ class CompactionFields(_Request):
             kw["queries"] = "suffix" if self.use_suffix_queries else "random"
         elif self.queries is None:
             kw.pop("queries", None)
-        if self.compaction_mode is not None:
-            kw["mode"] = self.compaction_mode
-        elif kw.get("max_kv_len") is not None or kw.get("n_protect_turns", -1) >= 0:
-            kw["mode"] = "attention_matching"
+        if self.mode is None:
+            kw.pop("mode", None)
+            if kw.get("max_kv_len") is not None or kw.get("n_protect_turns", -1) >= 0:
+                kw["mode"] = "attention_matching"
         return CompactionConfig(**kw) if kw else None
 
 
 class CompactGenerateRequest(CompactionFields, SamplingFields):
     """``POST /compact_generate``: one prompt, compacted mid-generation, no session kept.
 
-    ``max_response_tokens`` (alias ``max_new_tokens``) defaults to ``max_total_tokens`` when only
+    ``max_new_tokens`` (alias ``max_response_tokens``) defaults to ``max_total_tokens`` when only
     the latter is set: the seeds generated until the total budget.
     """
 
@@ -157,7 +168,7 @@ class SessionStepRequest(SamplingFields):
     response_complete: bool = Field(
         False,
         description="new_token_ids ends with a complete assistant response (teacher forcing; needs "
-        "max_response_tokens=0): turn-based compaction runs after it as after a sampled response",
+        "max_new_tokens=0): turn-based compaction runs after it as after a sampled response",
     )
 
 

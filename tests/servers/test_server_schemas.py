@@ -157,3 +157,40 @@ def test_segment_boundaries_clamp():
         "s", [1, 2], [0.0, 0.0], [1, 1], "", "stop", events=[_event(0, 1), _event(1, 99)], total_tokens=10
     )
     assert segment_boundaries(r) == [0, 2]
+
+
+def test_request_fields_are_the_dataclass_fields():
+    """Every CompactionConfig / SamplingParams field is a request field of the same name (and help);
+    the only other names are the seeds' documented aliases."""
+    from dataclasses import fields
+
+    from compaction_gym.engine.config import CompactionConfig, SamplingParams
+    from compaction_gym.servers.schemas import SEED_ALIASES, CompactionFields, SamplingFields
+
+    for model, cls in ((SamplingFields, SamplingParams), (CompactionFields, CompactionConfig)):
+        declared = {f.name: f.metadata["help"] for f in fields(cls)}
+        request = set(model.model_fields)
+        extra = request - set(declared)
+        assert extra <= set(SEED_ALIASES), f"{model.__name__} has undocumented fields {extra - set(SEED_ALIASES)}"
+        assert set(declared) <= request, f"{model.__name__} lacks {set(declared) - request}"
+        for name, help_text in declared.items():
+            assert help_text and help_text in (model.model_fields[name].description or ""), name
+    for alias, name in SEED_ALIASES.items():
+        assert name in {f.name for f in fields(SamplingParams)} | {f.name for f in fields(CompactionConfig)}
+        model = SamplingFields if name in SamplingFields.model_fields else CompactionFields
+        assert alias in model.model_fields or alias in str(model.model_fields[name].validation_alias)
+
+
+def test_seed_aliases_and_dataclass_names_give_the_same_config():
+    from compaction_gym.servers.schemas import SessionCreateRequest
+
+    seeds = SessionCreateRequest.model_validate(
+        {"prompt_ids": [1], "compaction_mode": "markovian", "max_kv_len": 64, "max_response_tokens": 3,
+         "use_suffix_queries": False}
+    )
+    ours = SessionCreateRequest.model_validate(
+        {"prompt_ids": [1], "mode": "markovian", "max_kv_len": 64, "max_new_tokens": 3, "queries": "random"}
+    )
+    assert seeds.compaction_config() == ours.compaction_config()
+    assert seeds.sampling() == ours.sampling()
+    assert ours.compaction_config().mode == "markovian" and ours.sampling().max_new_tokens == 3
