@@ -97,7 +97,7 @@ class CompactionAgent:
         )
         if not isinstance(self.compaction, CompactionConfig) or not isinstance(self.sampling, SamplingParams):
             raise InvalidArgumentError("compaction must be a CompactionConfig and sampling a SamplingParams")
-        tok = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
+        tok = tokenizer if tokenizer is not None else backend.tokenizer
         self.chat = ChatFormat(
             tok,
             system_prompt=system_prompt,
@@ -105,7 +105,7 @@ class CompactionAgent:
             template_kwargs=chat_template_kwargs,
         )
         self.tokenizer = tok
-        self.model_name = model_name if model_name is not None else str(getattr(backend, "name", ""))
+        self.model_name = model_name if model_name is not None else str(backend.name)
         self.eos_token_ids = _eos_ids(backend, tok)
         self._closing = self.chat.next_user_text("probe")  # what follows an assistant message's content
         self.session_id: str | None = None
@@ -165,7 +165,7 @@ class CompactionAgent:
 
     def act(self, observation: str) -> str:
         """Append ``observation`` as the next user message, generate, and return the model's text."""
-        return self._run([self], [observation], [None])[0]
+        return act_batch([self], [observation])[0]
 
     def force(self, observation: str, action: str) -> str:
         """Append ``observation`` and then ``action`` as the assistant's reply, without sampling.
@@ -175,7 +175,7 @@ class CompactionAgent:
         so turn-based compaction runs after the forced reply as after a sampled one. Returns the assistant text as fed (the prompt
         format's ``format_action(action)``), which is also what the env should receive.
         """
-        return self._run([self], [observation], [action])[0]
+        return act_batch([self], [observation], [action])[0]
 
     def observe(self, reward: float, info: dict[str, Any] | None = None) -> None:
         """Attach the env's reward (and the executed action, from ``info``) to the last turn."""
@@ -287,31 +287,18 @@ class CompactionAgent:
                 return eos
         return None
 
-    def _run(
-        self, agents: Sequence[CompactionAgent], observations: Sequence[str], actions: Sequence[str | None]
-    ) -> list[str]:
-        for agent, obs in zip(agents, observations):
-            if not isinstance(obs, str):
-                raise InvalidArgumentError(f"observation must be a str, got {type(obs).__name__}")
-            agent.trajectory  # noqa: B018  (raises before reset)
-        plans = []
-        for agent, obs, action in zip(agents, observations, actions):
-            agent._open_deferred(obs)
-            plans.append(agent._plan(obs, action))
-        requests = []
-        for agent, plan in zip(agents, plans):
-            sampling = agent.sampling.replace(seed=None)  # the session's own stream continues
-            forced = plan.forced_ids is not None
-            if forced:  # the input ends with the whole reply: turn-based triggers fire after it
-                sampling = sampling.replace(max_new_tokens=0)
-            requests.append(StepRequest(agent.session_id, plan.new_ids, sampling, response_complete=forced))
-        backend = agents[0].backend
-        if len(requests) == 1 and not requests[0].response_complete:  # step() has no such flag
-            req = requests[0]
-            results = [backend.step(req.session_id, req.new_ids, req.sampling)]
-        else:
-            results = backend.step_batch(requests)
-        return [agent._record(plan, result) for agent, plan, result in zip(agents, plans, results)]
+    def _request(self, observation: str, action: str | None) -> tuple[_Plan, StepRequest]:
+        """This agent's next backend call (the session is opened first for single-step envs)."""
+        if not isinstance(observation, str):
+            raise InvalidArgumentError(f"observation must be a str, got {type(observation).__name__}")
+        self.trajectory  # noqa: B018  (raises before reset)
+        self._open_deferred(observation)
+        plan = self._plan(observation, action)
+        sampling = self.sampling.replace(seed=None)  # the session's own stream continues
+        forced = plan.forced_ids is not None
+        if forced:  # the input ends with the whole reply: turn-based triggers fire after it
+            sampling = sampling.replace(max_new_tokens=0)
+        return plan, StepRequest(self.session_id, plan.new_ids, sampling, response_complete=forced)
 
     def _extend(self, fed: list[int], result: StepResult) -> None:
         traj = self.trajectory
@@ -385,13 +372,20 @@ def act_batch(
         raise InvalidArgumentError("act_batch needs agents that share one backend object")
     if len({id(a) for a in agents}) != len(agents):
         raise InvalidArgumentError("act_batch got the same agent twice")
-    return agents[0]._run(
-        agents, list(observations), list(actions) if actions is not None else [None] * len(agents)
-    )
+    actions = list(actions) if actions is not None else [None] * len(agents)
+    calls = [agent._request(obs, action) for agent, obs, action in zip(agents, observations, actions)]
+    backend = agents[0].backend
+    if len(calls) == 1:
+        req = calls[0][1]
+        results = [backend.step(req.session_id, req.new_ids, req.sampling, response_complete=req.response_complete)]
+    else:
+        results = backend.step_batch([req for _, req in calls])
+    return [agent._record(plan, result) for agent, (plan, _), result in zip(agents, calls, results)]
 
 
-def _eos_ids(backend: Any, tokenizer: Any) -> tuple[int, ...]:
-    ids = getattr(backend, "eos_token_ids", None)
+def _eos_ids(backend: Backend, tokenizer: Any) -> tuple[int, ...]:
+    """The backend's EOS ids; the tokenizer's EOS when the backend reports none."""
+    ids = backend.eos_token_ids
     if ids:
         return tuple(int(i) for i in ids)
     eos = getattr(tokenizer, "eos_token_id", None)

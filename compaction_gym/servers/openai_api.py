@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.servers.schemas import CompactionFields
+from compaction_gym.servers.state import FieldError, ServerState, unless_disconnected
 
 if TYPE_CHECKING:
     from compaction_gym.engine.types import StepResult
-    from compaction_gym.servers.app import ServerState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -101,7 +101,6 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """Chat completion through the tokenizer's chat template (one ephemeral session per choice)."""
-    from compaction_gym.servers.app import _FieldError, _unless_disconnected
 
     state: ServerState = request.app.state.server
     if body.model != state.model_name:
@@ -109,7 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             404, f"model {body.model!r} is not served here; GET /v1/models lists {state.model_name!r}"
         )
     if (bad := body.unsupported()) is not None:
-        raise _FieldError(bad, f"{bad} is not supported by this server")
+        raise FieldError(bad, f"{bad} is not supported by this server")
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise InvalidArgumentError(
             "the served tokenizer has no chat template; use /compact_session/* with token ids"
@@ -118,7 +117,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state.check_ids("messages", prompt_ids)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4:
-        raise _FieldError("stop", "stop takes at most 4 sequences")
+        raise FieldError("stop", "stop takes at most 4 sequences")
     stop_ids, text_stops = _split_stops(state, stops)
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     config = body.compaction.compaction_config() if body.compaction is not None else None
@@ -133,7 +132,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         for i in range(body.n)
     ]
     works = [state.worker.create(prompt_ids, config, sp, ephemeral=True) for sp in sampling]
-    outcomes = await _unless_disconnected(request, asyncio.gather(*works))
+    outcomes = await unless_disconnected(request, asyncio.gather(*works))
     choices, completion_tokens = [], 0
     for i, (result, _text, _info) in enumerate(outcomes):
         content, finish = _content(state, result, text_stops)

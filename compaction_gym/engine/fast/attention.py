@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton, launch_counters, pdl_kwargs
+from compaction_gym.engine.fast.kernels import HAS_TRITON, launch_counters, pdl_kwargs, use_triton
 
 if HAS_TRITON:
     import triton
@@ -263,7 +263,7 @@ def decode_attention(
     """
     batch, n_q, d = q.shape
     n_kv = k_cache.shape[1]
-    if not _use_triton(q) or d & (d - 1) or d < 16:
+    if not use_triton(q) or d & (d - 1) or d < 16:
         return decode_attention_sdpa(q, k_cache, v_cache, beta, slots, lens, scale)
     group = n_q // n_kv
     block_g, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
@@ -376,7 +376,7 @@ def prefill_attention(
     """
     n_tok, n_q, d = q.shape
     n_kv = k_cache.shape[1]
-    if not _use_triton(q) or d & (d - 1) or d < 16:
+    if not use_triton(q) or d & (d - 1) or d < 16:
         return prefill_attention_torch(q, k_cache, v_cache, beta, slots, starts, tok0, n_new, scale)
     group = n_q // n_kv
     block_m = 64 if d <= 128 else 32

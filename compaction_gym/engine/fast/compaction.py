@@ -31,7 +31,7 @@ import torch
 from compaction_gym.compaction import CompactionResult, compact
 from compaction_gym.compaction.beta import BETA_CLAMP
 from compaction_gym.compaction.values import cholesky_solve_ex, ridge_system
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton
+from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
 
 if HAS_TRITON:
@@ -234,7 +234,7 @@ def compact_fast(
         mode == "attention_matching"
         and forced_indices is None
         and isinstance(queries, torch.Tensor)
-        and _use_triton(keys)
+        and use_triton(keys)
         and d >= 16
         and not d & (d - 1)
         and values.shape[-1] == d

@@ -35,11 +35,11 @@ import torch
 
 from compaction_gym.engine.fast.kernels import (
     HAS_TRITON,
-    _use_triton,
     launch_counters,
     pdl_kwargs,
     rms_norm_ref,
     silu_mul_ref,
+    use_triton,
 )
 
 #: Largest number of rows :func:`gemv` takes (its tallest tensor-core tile; ≤ 16 rows use a 16-row tile).
@@ -210,7 +210,7 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, act: str | None = None
     """Whether :func:`gemv` runs its kernel for these operands (else it runs :func:`gemv_ref`)."""
     return (
         (act is None or weight.shape[0] % 2 == 0)
-        and _use_triton(x)
+        and use_triton(x)
         and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_MAX_M
         and x.dtype == weight.dtype

@@ -289,7 +289,7 @@ if HAS_TRITON:
             tl.store(out + D // 2 + half, x2.to(dt))
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or _interpreting())
 
 
@@ -347,7 +347,7 @@ def rms_norm(
     Returns ``weight · (h · rsqrt(mean(h²) + eps))`` in ``x``'s dtype (rounded before the weight
     multiply, as Hugging Face does).
     """
-    if not _use_triton(x):
+    if not use_triton(x):
         return rms_norm_ref(x, weight, eps, residual)
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
     n_rows, n = x.shape
@@ -363,7 +363,7 @@ def rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up`` for ``gate_up = [gate | up]`` ``[N, 2I]`` → ``[N, I]``."""
-    if not _use_triton(gate_up):
+    if not use_triton(gate_up):
         return silu_mul_ref(gate_up)
     n_rows, n2 = gate_up.shape
     n = n2 // 2
@@ -382,7 +382,7 @@ def argmax_logprob(logits: torch.Tensor, block: int = 4096) -> tuple[torch.Tenso
     Two launches (per-chunk max / index / rescaled sum of ``block`` logits, then a per-row merge)
     instead of converting the logits to float32 and reducing them three times.
     """
-    if not _use_triton(logits):
+    if not use_triton(logits):
         return argmax_logprob_ref(logits)
     assert logits.dim() == 2 and logits.stride(-1) == 1, "argmax_logprob needs [B, V] logits, last dim contiguous"
     batch, vocab = logits.shape
@@ -422,7 +422,7 @@ def decode_advance(
     slot −1, so later steps neither write nor read its cache. Live rows advance their position,
     cache row and length by one; every row's next input is its sampled token.
     """
-    if not _use_triton(tokens):
+    if not use_triton(tokens):
         return decode_advance_ref(tokens, logprobs, state, out_tok, out_lp, step)
     batch = tokens.shape[0]
     assert state.shape[1] == batch and state.stride(1) == 1 and out_tok.stride(1) == out_lp.stride(1) == 1
@@ -465,7 +465,7 @@ def qkv_rope_store(
         Rotated queries ``[N, H_q, d]`` (``out`` when given).
     """
     d = k_cache.shape[-1]
-    if not _use_triton(qkv) or d % 2 or (d & (d - 1)):
+    if not use_triton(qkv) or d % 2 or (d & (d - 1)):
         return qkv_rope_store_ref(
             qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, rows, n_q, n_kv, out
         )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _use_triton
+from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 
 #: FISTA iterations of :func:`nnls_fista` (each one product with ``Ĝ``).
 FISTA_ITERS = 128
@@ -163,7 +163,7 @@ def nnls_fista(
         ``w ≥ 0`` ``[B, t]`` float32.
     """
     batch, t = rhs.shape
-    if not (_use_triton(gram) and 0 < t <= MAX_KERNEL_T):
+    if not (use_triton(gram) and 0 < t <= MAX_KERNEL_T):
         return nnls_fista_torch(gram, rhs, iters, power_iters, g_dtype)
     gs, hs, d, one = _scaled(gram.float(), rhs.float())
     T = max(16, triton.next_power_of_2(t))

@@ -10,14 +10,20 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from compaction_gym.trainers.tree_sft.packing import PackedTree
+
+class PackedLike(Protocol):
+    """What the mask builders read of a :class:`~compaction_gym.trainers.tree_sft.packing.PackedTree`."""
+
+    tree: Any
+    num_tokens: int
+    subtree_end: torch.Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ def _create_block_mask_fn(device: torch.device) -> Callable:
 
 
 def tree_block_mask(
-    packed: PackedTree, *, device: torch.device | str | None = None, block_size: int = FLEX_BLOCK_SIZE
+    packed: PackedLike, *, device: torch.device | str | None = None, block_size: int = FLEX_BLOCK_SIZE
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` for ``packed`` (B = H = 1, broadcast over batch and heads).
 
