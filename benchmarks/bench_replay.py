@@ -8,7 +8,7 @@ replaying the recorded events. Per config and engine path (``generic``: the HF m
 ``fast``: fused kernels + CUDA graphs, CUDA only):
 
 * mismatch over the sampled tokens, Δ = replay − rollout log-prob: max |Δ|, mean |Δ|, and the
-  KL(sampler ‖ replay) estimates ``k1 = mean(−Δ)`` and ``k3 = mean(exp Δ − Δ − 1)`` (the seeds
+  KL(sampler ‖ replay) estimates ``k1 = mean(−Δ)`` and ``k3 = mean(exp Δ − Δ − 1)`` (as the original research code
   reported a mismatch KL of 0.0013 after fixing their replay);
 * the mean entropy (nats) of the sampled positions' distributions, so that a near-uniform random
   model (tiny mismatches for a trivial reason) shows;

@@ -8,7 +8,7 @@ server), then runs the same workload twice against it:
 * **concurrent** — ``--sessions`` client threads, one session each: all create at once, then all
   step at once (the server's auto-batcher folds concurrent steps into one ``step_batch``).
 
-The stepping phase (``--steps`` steps per session) is what the ratio compares (DESIGN §11: "64
+The stepping phase (``--steps`` steps per session) is what the ratio compares (docs/benchmarks.md: "64
 concurrent sessions stepping"); the create phase is reported beside it. Every response is exactly
 ``--new-tokens`` greedy tokens (``ignore_eos``), so both runs do the same work. Prints generated
 tokens/s, the ratio, client-side p50/p99 step latency and the mean engine batch size from

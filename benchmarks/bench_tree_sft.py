@@ -8,7 +8,7 @@ in every mode). Modes:
 * ``tree_flex``  — one packed forward, ancestor mask as a FlexAttention BlockMask (sibling blocks skipped);
 * ``tree_sdpa``  — one packed forward, dense N×N ancestor mask through SDPA;
 * ``per_branch`` — every root→leaf branch forwarded and back-propagated on its own with SDPA's causal
-  kernel (the seeds' baseline: one branch per micro-batch). Same loss, same gradient.
+  kernel (the research code's baseline: one branch per micro-batch). Same loss, same gradient.
 
 All modes read logits only at the rows that predict a target (``logits_to_keep``). The table printed
 last has the median step times and the ratios (target: per_branch / tree_flex ≥ 4).

@@ -90,10 +90,7 @@ def test_imports_flow_down_the_layers():
             dst = _top(target)
             if not dst or dst == src:
                 continue
-            if src == "":
-                ok = dst in ROOT_MAY_IMPORT
-            else:
-                ok = LAYERS.get(dst, 99) < LAYERS[src]
+            ok = dst in ROOT_MAY_IMPORT if src == "" else LAYERS.get(dst, 99) < LAYERS[src]
             if not ok:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {src} -> {dst} ({target})")
     assert not bad, "imports against the layer rule (docs/architecture.md):\n" + "\n".join(bad)

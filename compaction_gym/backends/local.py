@@ -35,7 +35,8 @@ class LocalBackend:
         """Load a Hugging Face causal LM into an :class:`Engine` and wrap it.
 
         Args:
-            path_or_id: local ``save_pretrained`` directory or hub id.
+            path_or_id: a registered model name (``babyai-tiny``), a local ``save_pretrained``
+                directory or a hub id.
             **engine_kwargs: passed to ``Engine.from_pretrained`` (``dtype``, ``device``,
                 ``max_slots``, ``capacity``).
         """

@@ -80,7 +80,7 @@ class SamplingParams(_DictMixin):
 
 @dataclass(frozen=True)
 class CompactionConfig(_DictMixin):
-    """When and how a session's KV cache is compacted (DESIGN §3-§4).
+    """When and how a session's KV cache is compacted (docs/compaction.md, docs/engine.md).
 
     Triggers (at most one automatic trigger is active):
 

@@ -22,7 +22,7 @@ from compaction_gym.errors import InvalidArgumentError, require
 ANSWER_INSTRUCTION = "\n\nGive your final answer between <answer> and </answer> tags."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
-#: The seeds' RG mix: dataset name → reasoning-gym config (field names of its config dataclasses).
+#: The original research code's RG mix: dataset name → reasoning-gym config (field names of its config dataclasses).
 RGMIX_CONFIGS: dict[str, dict[str, Any]] = {
     "arc_1d": {},
     "sokoban": {
@@ -190,7 +190,7 @@ class MathEnv(gym.Env[str, str]):
 
 
 class RGMixEnv(MathEnv):
-    """The seeds' reasoning-gym mix: each reset draws a dataset by weight, then one of its items.
+    """The original research code's reasoning-gym mix: each reset draws a dataset by weight, then one of its items.
 
     ## Description
     As :class:`MathEnv`, over :data:`RGMIX_CONFIGS` (arc_1d, sokoban hard, countdown with 7

@@ -1,4 +1,4 @@
-"""The FastAPI app: the session API of DESIGN §6 over an :class:`~compaction_gym.engine.Engine`.
+"""The FastAPI app: the session API (docs/server.md) over an :class:`~compaction_gym.engine.Engine`.
 
 Routes: ``POST /compact_generate``, ``POST /compact_session/create``, ``POST
 /compact_session/step``, ``POST /compact_session/step_batch``, ``DELETE

@@ -1,7 +1,7 @@
 """Pydantic request/response models of the session API.
 
 Request fields carry the names of :class:`~compaction_gym.engine.config.CompactionConfig` and
-:class:`~compaction_gym.engine.config.SamplingParams` (and their help texts); the seeds' names
+:class:`~compaction_gym.engine.config.SamplingParams` (and their help texts); the original research API's names
 (:data:`SEED_ALIASES`) are accepted as aliases. Requests are strict (``"5"`` is not an int) and
 reject unknown fields, so a typo such as ``max_tokens`` for ``max_new_tokens`` is a 422 naming it
 instead of a silently ignored knob.
@@ -27,11 +27,11 @@ TokenId = Annotated[int, Field(ge=0)]
 SessionId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
 
 #: request fields that map one to one onto SamplingParams / CompactionConfig: the dataclasses' own
-#: field names (the seeds' names ``max_response_tokens``, ``compaction_mode`` and
+#: field names (the original research API's names ``max_response_tokens``, ``compaction_mode`` and
 #: ``use_suffix_queries`` are accepted as aliases, see docs/server.md)
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
 COMPACTION_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(CompactionConfig))
-#: the seeds' request names, accepted besides the dataclass names: alias -> field
+#: the original research API's request names, accepted besides the dataclass names: alias -> field
 SEED_ALIASES: dict[str, str] = {
     "max_response_tokens": "max_new_tokens",
     "compaction_mode": "mode",
@@ -108,7 +108,7 @@ class CompactionFields(_Request):
         None, description=f"{_help(CompactionConfig, 'queries')}, one of {PROBE_SOURCES}"
     )
     use_suffix_queries: bool | None = Field(
-        None, description="seeds' alias of queries: true=suffix, false=random probes"
+        None, description="original research API's alias of queries: true=suffix, false=random probes"
     )
     n_probe_queries: int = _cc("n_probe_queries", gt=0)
     compute_beta: bool = _cc("compute_beta")
@@ -138,7 +138,7 @@ class CompactGenerateRequest(CompactionFields, SamplingFields):
     """``POST /compact_generate``: one prompt, compacted mid-generation, no session kept.
 
     ``max_new_tokens`` (alias ``max_response_tokens``) defaults to ``max_total_tokens`` when only
-    the latter is set: the seeds generated until the total budget.
+    the latter is set: the original research code generated until the total budget.
     """
 
     prompt_ids: list[TokenId] = Field(min_length=1)
@@ -196,7 +196,7 @@ class SessionStepBatchRequest(_Request):
 
 
 class Diagnostics(BaseModel):
-    """The seeds' diagnostics plus what a client needs to rebuild a StepResult losslessly."""
+    """The original research API's diagnostics plus what a client needs to rebuild a StepResult losslessly."""
 
     prompt_len: int
     total_tokens: int
@@ -221,7 +221,7 @@ class GenerateResponse(BaseModel):
     final_text: str
     text: str = Field(description="decoded all_token_ids with special tokens kept")
     finish_reason: str
-    current_seq_len: int = Field(description="KV rows after the call (the seeds' name for kv_len)")
+    current_seq_len: int = Field(description="KV rows after the call (the original research API's name for kv_len)")
     diagnostics: Diagnostics
 
 

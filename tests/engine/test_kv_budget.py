@@ -11,7 +11,7 @@ from engine_helpers import load_reference_model, make_prompt, reference_logprobs
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 
-MAX_KV, WINDOW, RATIO = 64, 32, 0.25  # DESIGN's 2048/1024/0.25, scaled down 32×
+MAX_KV, WINDOW, RATIO = 64, 32, 0.25  # the reference budget 2048/1024/0.25, scaled down 32×
 GREEDY = SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)
 
 
@@ -35,7 +35,7 @@ def test_kv_budget_arithmetic(kv_engine, mode):
     fed = len(prompt) + len(r.token_ids) - 1
     target = 0 if mode == "markovian" else max(1, math.floor(WINDOW * RATIO))
     assert len(r.events) == expected_events(fed, target) > 3
-    assert r.kv_len <= MAX_KV  # decode headroom is 0 (DESIGN: checked before every feed)
+    assert r.kv_len <= MAX_KV  # decode headroom is 0 (checked before every feed, docs/engine.md)
     lay = kv_engine.layout
     for i, e in enumerate(r.events):
         assert (e.index, e.trigger, e.mode, e.span, e.target) == (i, "kv_budget", mode, (16, 48), target)

@@ -161,7 +161,7 @@ def test_segment_boundaries_clamp():
 
 def test_request_fields_are_the_dataclass_fields():
     """Every CompactionConfig / SamplingParams field is a request field of the same name (and help);
-    the only other names are the seeds' documented aliases."""
+    the only other names are the original research API's documented aliases."""
     from dataclasses import fields
 
     from compaction_gym.engine.config import CompactionConfig, SamplingParams

@@ -156,7 +156,7 @@ def test_replay_detects_what_it_must_reproduce(engine, model):
     view = plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=31)
     no_events = dataclasses.replace(view, events=())
     assert max_sampled_diff(replay_logprobs(model, no_events), view) > 1e-2
-    # the seeds' bug: C2 refitted from other probes than the rollout's
+    # the original research code's bug: C2 refitted from other probes than the rollout's
     other = tuple(dataclasses.replace(e, probe_source="random", probe_seed=1) for e in view.events)
     assert max_sampled_diff(replay_logprobs(model, dataclasses.replace(view, events=other)), view) > 10 * TOL
 

@@ -92,7 +92,7 @@ def test_gradient_reaches_tokens_compacted_away(engine, model64, beta):
         grads[through] = hooks.per_position()
     assert len(grads[True]) == positions[-1]  # every token before the last score was fed once
     assert (grads[True] > 0).all()  # including every token compacted away
-    assert (grads[False][compacted] == 0).all()  # the seeds' detached blocks: no signal at all
+    assert (grads[False][compacted] == 0).all()  # the original research code's detached blocks: no signal at all
     assert (grads[False][raw] > 0).all()
 
 
