@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "compaction_gym"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "provenance": 1,
+    "lazy": 1,
     "cli_args": 1,
     "compaction": 2,
     "envs": 2,

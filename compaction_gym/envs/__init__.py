@@ -6,8 +6,7 @@ importing minigrid or reasoning-gym; the names below load their module on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compaction_gym.lazy import lazy_exports
 
 _LAZY = {
     "BabyAITextEnv": "compaction_gym.envs.babyai.env",
@@ -22,9 +21,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

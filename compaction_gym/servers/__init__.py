@@ -7,8 +7,7 @@ nor FastAPI.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compaction_gym.lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     "HTTPBackend": "compaction_gym.servers.http_backend",
@@ -18,12 +17,4 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'compaction_gym.servers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
