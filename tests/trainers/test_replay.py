@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import compaction_gym  # noqa: F401  (registers the env ids)
 from compaction_gym.agents import CompactionAgent, Trajectory, run_episode
+from compaction_gym.compaction import CompactionEvent
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.servers import LocalBackend
@@ -197,3 +198,29 @@ def test_replay_of_babyai_agent_trajectory(engine, model):
     traj = Trajectory.from_dict(traj.to_dict())
     assert len(traj.events) >= 2 and traj.num_generated == 18
     assert max_sampled_diff(replay_logprobs(model, traj), traj) < TOL
+
+
+@pytest.mark.parametrize(("probes", "extra"), [("suffix", {}), ("keys", {"compact_target_ratio": 0.125})])
+def test_replay_of_version_1_records(engine, model, probes, extra):
+    """Records written before format 2 (no recorded β, no probe_rows) still replay: β is refitted and
+    the key probes are located from their logical range (well-posed fits, as before format 2)."""
+    cfg = dataclasses.replace(config("attention_matching+beta", "kv_budget"), queries=probes, **extra)
+    view = plain_session(engine, cfg, seed=7)
+    assert all(e.beta is not None for e in view.events)
+    assert all((e.probe_rows is not None) == (probes == "keys") for e in view.events)
+    old = tuple(
+        CompactionEvent.from_dict({k: v for k, v in e.to_dict().items() if k not in ("version", "probe_rows", "beta")})
+        for e in view.events
+    )
+    assert all(e.beta is None and e.probe_rows is None for e in old)
+    assert max_sampled_diff(replay_logprobs(model, dataclasses.replace(view, events=old)), view) < TOL
+
+
+def test_recorded_beta_is_what_replay_writes(engine, model):
+    """Replay writes the recorded β on the kept rows: a perturbed record changes the scores."""
+    view = plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=31)
+    assert max_sampled_diff(replay_logprobs(model, view), view) < TOL
+    first, *rest = view.events
+    shifted = dataclasses.replace(first, beta=first.beta + 1.0)
+    moved = dataclasses.replace(view, events=(shifted, *rest))
+    assert max_sampled_diff(replay_logprobs(model, moved), view) > 10 * TOL
