@@ -86,8 +86,9 @@ def test_replay_without_compaction(engine, model):
 @pytest.mark.parametrize(
     ("probes", "trigger", "extra"),
     [
-        # keys probes are the latest response's raw rows (a handful mid-decode): keep t small so that the
-        # β fit stays well posed (fewer probes than kept keys amplify float noise into other β values)
+        # keys probes are the latest response's raw rows (a handful mid-decode); replay takes β from the
+        # record, and the property test covers larger t — these ratios also keep a refit well posed
+        # (test_replay_of_version_1_records)
         ("keys", "turn", {"n_protect_turns": 0, "compact_target_ratio": 0.125}),
         ("keys", "kv_budget", {"compact_target_ratio": 0.125}),
         ("random", "kv_budget", {}),
