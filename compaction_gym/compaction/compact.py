@@ -9,20 +9,12 @@ import torch
 from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.baselines import h2o_indices, random_indices, snapkv_indices, streaming_indices
 from compaction_gym.compaction.beta import beta_from_logits
+from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES
 from compaction_gym.compaction.scoring import attention_logits, importance, top_indices
 from compaction_gym.compaction.values import check_ridge, values_from_logits
 from compaction_gym.errors import InvalidArgumentError
 
-#: Modes :func:`compact` accepts (the config's ``none`` means "never call compact").
-COMPACTION_MODES: tuple[str, ...] = (
-    "attention_matching",
-    "markovian",
-    "h2o",
-    "snapkv",
-    "streaming",
-    "random",
-)
-_NEEDS_QUERIES = frozenset({"attention_matching", "h2o", "snapkv"})
+__all__ = ["COMPACTION_MODES", "CompactionResult", "compact"]
 
 
 @dataclass
@@ -130,7 +122,7 @@ def compact(
         raise InvalidArgumentError(f"compute_beta needs mode='attention_matching', got mode={mode!r}")
     keys = C.check_keys(keys)
     values = C.check_values(values, keys)
-    if queries is not None or mode in _NEEDS_QUERIES:
+    if queries is not None or mode in QUERY_MODES:
         queries = C.check_queries(queries, keys)
     span = C.check_span(span, keys.shape[1])
     target = C.check_target(target, span[1] - span[0], allow_zero=mode == "markovian")
@@ -155,7 +147,7 @@ def compact(
         )
 
     raw = logits = None
-    if mode == "attention_matching" or (forced_indices is None and mode in _NEEDS_QUERIES):
+    if mode == "attention_matching" or (forced_indices is None and mode in QUERY_MODES):
         raw, logits = attention_logits(keys, queries, scale, key_bias)
     indices = (
         forced_indices if forced_indices is not None else _select(mode, logits, keys, span, target, seed)

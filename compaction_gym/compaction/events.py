@@ -1,9 +1,11 @@
 """The record of one compaction event: enough to replay it exactly (DESIGN §3.6).
 
-Serialisation: :meth:`CompactionEvent.to_dict` is JSON-safe. The kept indices, an int tensor
-``[L, H_kv, t]``, travel as ``{"shape": [L, H, t], "dtype": "int32", "data": <base64 of the
-little-endian C-order bytes>}`` — compact and lossless, never nested lists (cache indices always
-fit in int32; larger values are refused rather than truncated).
+Serialisation: :meth:`CompactionEvent.to_dict` is JSON-safe and carries ``"version"``
+(:data:`EVENT_FORMAT_VERSION`; dicts without it are version 1 and still load). The kept indices, an
+int tensor ``[L, H_kv, t]``, travel as ``{"shape": [L, H, t], "dtype": "int32", "data": <base64 of
+the little-endian C-order bytes>}`` — compact and lossless, never nested lists (cache indices always
+fit in int32; larger values are refused rather than truncated). The recorded β (version 2) travels
+the same way with ``"dtype": "float32"``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ Trigger = Literal["kv_budget", "turn", "manual"]
 
 
 _INT32 = torch.iinfo(torch.int32)
+
+#: Version written by :meth:`CompactionEvent.to_dict`: 2 added ``probe_rows`` and ``beta``.
+EVENT_FORMAT_VERSION = 2
 
 
 def encode_int_tensor(t: torch.Tensor) -> dict[str, Any]:
@@ -65,6 +70,41 @@ def decode_int_tensor(d: dict[str, Any]) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
+def encode_float_tensor(t: torch.Tensor, name: str = "beta") -> dict[str, Any]:
+    """Encode a floating tensor as a JSON-safe dict (base64 of float32 little-endian bytes).
+
+    Raises:
+        InvalidArgumentError: ``t`` is not a floating tensor.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise InvalidArgumentError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    arr = t.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
+    return {
+        "shape": list(arr.shape),
+        "dtype": "float32",
+        "data": base64.b64encode(arr.tobytes()).decode("ascii"),
+    }
+
+
+def decode_float_tensor(d: dict[str, Any], name: str = "beta") -> torch.Tensor:
+    """Inverse of :func:`encode_float_tensor`; returns a float32 tensor.
+
+    Raises:
+        InvalidArgumentError: not an encoded tensor, an unknown dtype, or data that does not fill ``shape``.
+    """
+    if not isinstance(d, dict) or not {"shape", "dtype", "data"} <= d.keys():
+        raise InvalidArgumentError(f"{name} must be an encoded tensor {{shape, dtype, data}}, got {d!r:.80}")
+    if d["dtype"] != "float32":
+        raise InvalidArgumentError(f"{name}: unsupported encoded dtype {d['dtype']!r}; expected 'float32'")
+    try:
+        raw = base64.b64decode(d["data"], validate=True)
+        shape = [int(n) for n in d["shape"]]
+        arr = np.frombuffer(raw, dtype="<f4").reshape(shape)
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{name}: corrupt encoded tensor (shape {d['shape']!r}): {exc}") from exc
+    return torch.from_numpy(arr.astype(np.float32))
+
+
 @dataclass
 class CompactionEvent:
     """One compaction of one session's cache, for all layers and KV heads at once.
@@ -92,6 +132,11 @@ class CompactionEvent:
         position_offset: ``logical_len - kv_len_after``: how far logical positions run ahead of
             cache rows after the event (new tokens keep logical positions; nothing is re-rotated).
         timings: seconds spent, by phase.
+        probe_rows: cache rows ``(lo, hi)`` whose keys were the probes (``keys`` probes only);
+            ``None`` otherwise and in version-1 records.
+        beta: the fitted β of the kept rows, float32 ``[L, H_kv, t]``, exactly as the cache
+            received it; ``None`` when no β was fitted (and in version-1 records). Replay uses it
+            as the constant β instead of refitting (see ``docs/compaction.md``).
     """
 
     index: int
@@ -110,6 +155,8 @@ class CompactionEvent:
     logical_len: int
     position_offset: int
     timings: dict[str, float] = field(default_factory=dict)
+    probe_rows: tuple[int, int] | None = None
+    beta: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 3:
@@ -129,11 +176,30 @@ class CompactionEvent:
         self.logical_span = (int(self.logical_span[0]), int(self.logical_span[1]))
         if self.probe_logical_range is not None:
             self.probe_logical_range = (int(self.probe_logical_range[0]), int(self.probe_logical_range[1]))
+        if self.probe_rows is not None:
+            self.probe_rows = (int(self.probe_rows[0]), int(self.probe_rows[1]))
+        if self.beta is not None:
+            if not isinstance(self.beta, torch.Tensor) or not self.beta.is_floating_point():
+                raise InvalidArgumentError(
+                    f"beta must be a float tensor [L, H_kv, t], got {getattr(self.beta, 'dtype', type(self.beta).__name__)}"
+                )
+            if tuple(self.beta.shape) != tuple(self.indices.shape):
+                raise InvalidArgumentError(
+                    f"beta must match indices' shape {tuple(self.indices.shape)}, got {tuple(self.beta.shape)}"
+                )
+            self.beta = self.beta.detach().to("cpu", torch.float32)
 
     def forced_indices(self) -> torch.Tensor:
         """The kept indices as ``compact(forced_indices=...)`` takes them: int64 ``[L * H_kv, t]``."""
         n_layers, n_kv_heads, target = self.indices.shape
         return self.indices.reshape(n_layers * n_kv_heads, target).long()
+
+    def recorded_beta(self) -> torch.Tensor | None:
+        """The recorded β as ``compact`` returns it: float32 ``[L * H_kv, t]``, or ``None``."""
+        if self.beta is None:
+            return None
+        n_layers, n_kv_heads, target = self.beta.shape
+        return self.beta.reshape(n_layers * n_kv_heads, target)
 
     def to_json(self) -> str:
         """:meth:`to_dict` as a JSON string."""
@@ -145,8 +211,9 @@ class CompactionEvent:
         return cls.from_dict(json.loads(text))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``indices`` base64-encoded (see the module docstring)."""
+        """A JSON-safe dict; ``indices`` and ``beta`` base64-encoded (see the module docstring)."""
         return {
+            "version": EVENT_FORMAT_VERSION,
             "index": self.index,
             "trigger": self.trigger,
             "mode": self.mode,
@@ -165,14 +232,18 @@ class CompactionEvent:
             "logical_len": self.logical_len,
             "position_offset": self.position_offset,
             "timings": dict(self.timings),
+            "probe_rows": None if self.probe_rows is None else list(self.probe_rows),
+            "beta": None if self.beta is None else encode_float_tensor(self.beta),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompactionEvent:
         """Inverse of :meth:`to_dict`.
 
+        Reads every version up to :data:`EVENT_FORMAT_VERSION`; fields a version lacks keep their defaults.
+
         Raises:
-            InvalidArgumentError: a missing field or a corrupt ``indices`` encoding.
+            InvalidArgumentError: a missing field, an unknown version, or a corrupt ``indices``/``beta`` encoding.
         """
         try:
             return cls._from_dict(d)
@@ -181,8 +252,15 @@ class CompactionEvent:
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> CompactionEvent:
+        version = d.get("version", 1)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= EVENT_FORMAT_VERSION:
+            raise InvalidArgumentError(
+                f"version must be an int in [1, {EVENT_FORMAT_VERSION}], got {version!r}"
+            )
         range_ = d.get("probe_logical_range")
         seed = d.get("probe_seed")
+        rows = d.get("probe_rows")
+        beta = d.get("beta")
         return cls(
             index=int(d["index"]),
             trigger=d["trigger"],
@@ -200,6 +278,8 @@ class CompactionEvent:
             logical_len=int(d["logical_len"]),
             position_offset=int(d["position_offset"]),
             timings={k: float(v) for k, v in d.get("timings", {}).items()},
+            probe_rows=None if rows is None else (int(rows[0]), int(rows[1])),
+            beta=None if beta is None else decode_float_tensor(beta),
         )
 
     def __eq__(self, other: object) -> bool:

@@ -1,4 +1,8 @@
-"""Probe queries: GQA grouping of real queries and reproducible random probes (DESIGN §3.4)."""
+"""Probe queries of a compaction event, for the engine and replay alike (``docs/compaction.md``).
+
+GQA grouping of recorded queries (``suffix``), the cache rows whose keys are the probes
+(``keys``) and reproducible N(0, I) probes (``random``); :func:`event_probes` assembles any of them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import numpy as np
 import torch
 
 from compaction_gym.compaction import _checks as C
+from compaction_gym.compaction.modes import PROBE_SOURCES
+from compaction_gym.compaction.rowmap import RowMap
 from compaction_gym.errors import InvalidArgumentError
 
 
@@ -97,3 +103,94 @@ def random_probes(
         generator = torch.Generator(device="cpu").manual_seed(layer_seed(seed, event_index, layer))
         layers.append(torch.randn(sizes["n_kv_heads"], sizes["n"], sizes["d"], generator=generator))
     return torch.cat(layers).to(device=device, dtype=dtype)
+
+
+def key_probe_rows(
+    row_map: RowMap, kv_len: int, n_probe: int, last_response: tuple[int, int] | None
+) -> tuple[int, int]:
+    """Cache rows ``(lo, hi)`` whose keys are an event's ``keys`` probes (the engine's choice).
+
+    The newest contiguous run of the latest response's raw rows (its last ``n_probe`` logical
+    tokens at most); without a response, or when none of it is raw, the newest ``n_probe`` rows.
+    The event records the result (``CompactionEvent.probe_rows``) so replay never re-derives it.
+    """
+    if last_response is not None:
+        a, b = last_response
+        rows = [row_map.row_of(p) for p in range(max(a, b - n_probe), b)]
+        run: list[int] = []
+        for row in reversed(rows):
+            if row is None or (run and row != run[-1] - 1):
+                if run:
+                    break
+                continue
+            run.append(row)
+        if run:
+            return run[-1], run[0] + 1
+    return max(0, kv_len - n_probe), kv_len
+
+
+def key_probe_rows_of_range(
+    row_map: RowMap, kv_len: int, n_probe: int, logical_range: tuple[int, int]
+) -> tuple[int, int]:
+    """The ``keys`` probe rows of a record without ``probe_rows`` (version 1), from its logical range.
+
+    Either the range's tokens are raw and contiguous in the cache, or they were the engine's
+    fallback (the newest ``n_probe`` rows).
+
+    Raises:
+        InvalidArgumentError: neither reading reproduces ``logical_range``.
+    """
+    a, b = logical_range
+    lo, last = row_map.row_of(a), row_map.row_of(b - 1)
+    if lo is not None and last is not None and last - lo == b - 1 - a:
+        return lo, last + 1
+    lo = max(0, kv_len - n_probe)
+    if kv_len <= lo or row_map.logical_span(lo, kv_len) != (a, b):
+        raise InvalidArgumentError(f"cannot locate the key probes of logical range [{a}, {b}) in the cache")
+    return lo, kv_len
+
+
+def event_probes(
+    source: str,
+    keys: torch.Tensor,
+    *,
+    n_layers: int,
+    n_kv_heads: int,
+    n_probe: int,
+    event_index: int,
+    seed: int | None = None,
+    rows: tuple[int, int] | None = None,
+    queries: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One event's probe queries ``[L * H_kv, n, d]``.
+
+    Args:
+        source: ``suffix`` (``queries`` grouped by :func:`gqa_probes`; ``None`` when no queries
+            were recorded), ``keys`` (``keys[:, lo:hi]`` for ``rows``) or ``random``
+            (:func:`random_probes` of ``seed`` and ``event_index``, in ``keys``' dtype and device).
+        keys: the cache keys ``[L * H_kv, T, d]``.
+        n_layers, n_kv_heads: cache layout. n_probe: random probes per KV head.
+        event_index: the event's index in its session.
+        seed: the session seed (``random``).
+        rows: cache rows ``(lo, hi)`` of the key probes (``keys``).
+        queries: post-RoPE queries ``[L, H_q, n, d]`` (``suffix``).
+
+    Raises:
+        InvalidArgumentError: an unknown source, or the input that source needs is missing.
+    """
+    if source == "random":
+        if seed is None:
+            raise InvalidArgumentError(f"event {event_index}: random probes need probe_seed")
+        return random_probes(
+            seed, event_index, n_layers, n_kv_heads, n_probe, keys.shape[-1], dtype=keys.dtype, device=keys.device
+        )
+    if source == "keys":
+        if rows is None:
+            raise InvalidArgumentError(f"event {event_index}: keys probes need their cache rows")
+        lo, hi = rows
+        if not 0 <= lo < hi <= keys.shape[1]:
+            raise InvalidArgumentError(f"event {event_index}: probe_rows {rows} outside the cache's {keys.shape[1]} rows")
+        return keys[:, lo:hi]
+    if source != "suffix":
+        raise InvalidArgumentError(f"probe_source must be one of {PROBE_SOURCES}, got {source!r}")
+    return None if queries is None else gqa_probes(queries.contiguous(), n_kv_heads)

@@ -1,9 +1,10 @@
 """Compaction triggers and their application to a session's slot (DESIGN §3-§4).
 
 The math lives in :mod:`compaction_gym.compaction`; this module decides *when* and *which span*,
-gathers the probes, calls :func:`~compaction_gym.compaction.compact` once for all layers × KV
-heads, writes ``[prefix | block | suffix]`` back into the slot and records a replayable
-:class:`~compaction_gym.compaction.events.CompactionEvent`.
+gathers the probes (:func:`~compaction_gym.compaction.event_probes`), calls
+:func:`~compaction_gym.compaction.apply_event` once for all layers × KV heads (the same call replay
+makes), writes ``[prefix | block | suffix]`` back into the slot and records a replayable
+:class:`~compaction_gym.compaction.events.CompactionEvent` (kept indices, key-probe rows, fitted β).
 
 Triggers:
 
@@ -19,31 +20,23 @@ Triggers:
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
 import torch
 
-from compaction_gym.compaction import CompactionResult, compact, gqa_probes, random_probes
+from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
+from compaction_gym.compaction.modes import QUERY_MODES, target_size
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.errors import InvalidArgumentError
 
-#: Modes whose selection reads attention from probe queries.
-QUERY_MODES = frozenset({"attention_matching", "h2o", "snapkv"})
-
 
 def records_queries(config) -> bool:
     """Whether a session with ``config`` must record post-RoPE queries (``suffix`` probes)."""
     return config.mode in QUERY_MODES and config.queries == "suffix"
-
-
-def target_size(mode: str, n: int, ratio: float) -> int:
-    """Rows kept from a span of ``n`` rows: ``0`` for markovian, else ``max(1, floor(n · ratio))``."""
-    return 0 if mode == "markovian" else max(1, math.floor(n * ratio))
 
 
 class Compactor:
@@ -143,32 +136,32 @@ class Compactor:
         target = target_size(cfg.mode, end - start, ratio)
         index = len(s.events)
         log_span = s.row_map.logical_span(start, end)
-        probe_range = probe_seed = None
+        probe_range = probe_seed = probe_rows = recorded_beta = None
         timings: dict[str, float] = {}
-        if cfg.mode == "markovian":  # a deletion needs no math and no probes
-            indices = torch.empty(lay.n_layers, lay.n_kv_heads, 0, dtype=torch.long)
-            keys = cache.k.new_empty(lay.n_layers * lay.n_kv_heads, 0, lay.head_dim)
-            values, beta = keys, None
-        else:
-            keys_all, values_all, beta_all = cache.rows(s.slot)
-            queries, probe_range, probe_seed = self._probes(s, keys_all, log_span, index)
-            timings["probes"] = time.perf_counter() - t0
-            result = self.compact_fn(
-                keys_all,
-                values_all,
-                queries,
-                span,
-                target,
-                mode=cfg.mode,
-                compute_beta=cfg.compute_beta,
-                scale=lay.scale,
-                key_bias=beta_all if cache.has_beta[s.slot] else None,
-                ridge=cfg.ridge,
-                seed=_mix(s.seed, index) if cfg.mode == "random" else None,
-            )
-            timings["compact"] = time.perf_counter() - t0 - timings["probes"]
-            keys, values, beta = result.keys, result.values, result.beta
-            indices = result.indices.reshape(lay.n_layers, lay.n_kv_heads, target).cpu()
+        keys_all, values_all, beta_all = cache.rows(s.slot)
+        queries = None
+        if cfg.mode != "markovian":  # a deletion needs no probes
+            queries, probe_range, probe_seed, probe_rows = self._probes(s, keys_all, log_span, index)
+        timings["probes"] = time.perf_counter() - t0
+        result = apply_event(
+            keys_all,
+            values_all,
+            queries,
+            mode=cfg.mode,
+            span=span,
+            target=target,
+            compute_beta=cfg.compute_beta,
+            scale=lay.scale,
+            key_bias=beta_all if cache.has_beta[s.slot] else None,
+            ridge=cfg.ridge,
+            seed=_mix(s.seed, index) if cfg.mode == "random" else None,
+            compact_fn=self.compact_fn,
+        )
+        timings["compact"] = time.perf_counter() - t0 - timings["probes"]
+        keys, values, beta = result.keys, result.values, result.beta
+        indices = result.indices.reshape(lay.n_layers, lay.n_kv_heads, target).cpu()
+        if cfg.compute_beta and beta is not None:  # what the cache stores (float32): replay's constant β
+            recorded_beta = beta.reshape(lay.n_layers, lay.n_kv_heads, target).to("cpu", torch.float32)
         kv_after = cache.replace_span(s.slot, span, keys, values, beta)
         s.row_map.replace(start, end, target, log_span)
         assert s.row_map.rows == kv_after
@@ -190,49 +183,35 @@ class Compactor:
             logical_len=s.fed,
             position_offset=s.fed - kv_after,
             timings=timings,
+            probe_rows=probe_rows,
+            beta=recorded_beta,
         )
         s.events.append(event)
         return event
 
     def _probes(
         self, s: Session, keys: torch.Tensor, log_span: tuple[int, int], index: int
-    ) -> tuple[torch.Tensor | None, tuple[int, int] | None, int | None]:
-        """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range and seed."""
+    ) -> tuple[torch.Tensor | None, tuple[int, int] | None, int | None, tuple[int, int] | None]:
+        """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range, seed and key rows."""
         cfg, lay = s.config, self.layout
+        rows = probe_range = seed = queries = None
         if cfg.queries == "random":
-            probes = random_probes(
-                s.seed, index, lay.n_layers, lay.n_kv_heads, cfg.n_probe_queries, lay.head_dim,
-                dtype=keys.dtype, device=keys.device,
-            )  # fmt: skip
-            return probes, None, s.seed
-        if cfg.queries == "keys":
-            lo, hi = self._key_probe_rows(s)
-            return keys[:, lo:hi], s.row_map.logical_span(lo, hi), None
-        if s.probes is None:  # streaming / random selection: attention is not looked at
-            return None, None, None
-        picked = s.probes.select(log_span[1])
-        if picked is None:
-            raise InvalidArgumentError("no queries were recorded for suffix probes; feed tokens first")
-        queries, probe_range = picked
-        return gqa_probes(queries.contiguous(), lay.n_kv_heads), probe_range, None
-
-    def _key_probe_rows(self, s: Session) -> tuple[int, int]:
-        """Rows of the latest response still raw in the cache (else the most recent rows), at most n_probe."""
-        kv_len = self.cache.lengths[s.slot]
-        n = s.config.n_probe_queries
-        if s.last_response is not None:  # the newest contiguous run of the response's raw rows
-            a, b = s.last_response
-            rows = [s.row_map.row_of(p) for p in range(max(a, b - n), b)]
-            run: list[int] = []
-            for row in reversed(rows):
-                if row is None or (run and row != run[-1] - 1):
-                    if run:
-                        break
-                    continue
-                run.append(row)
-            if run:
-                return run[-1], run[0] + 1
-        return max(0, kv_len - n), kv_len
+            seed = s.seed
+        elif cfg.queries == "keys":
+            rows = key_probe_rows(s.row_map, self.cache.lengths[s.slot], cfg.n_probe_queries, s.last_response)
+            probe_range = s.row_map.logical_span(*rows)
+        elif s.probes is None:  # streaming / random selection: attention is not looked at
+            return None, None, None, None
+        else:
+            picked = s.probes.select(log_span[1])
+            if picked is None:
+                raise InvalidArgumentError("no queries were recorded for suffix probes; feed tokens first")
+            queries, probe_range = picked
+        probes = event_probes(
+            cfg.queries, keys, n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, n_probe=cfg.n_probe_queries,
+            event_index=index, seed=seed, rows=rows, queries=queries,
+        )  # fmt: skip
+        return probes, probe_range, seed, rows
 
 
 def _mix(seed: int, index: int) -> int:

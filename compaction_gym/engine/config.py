@@ -6,7 +6,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
-from compaction_gym.compaction import COMPACTION_MODES as _COMPACT_MODES
+from compaction_gym.compaction.modes import COMPACTION_MODES as _COMPACT_MODES
+from compaction_gym.compaction.modes import PROBE_SOURCES
 from compaction_gym.errors import InvalidArgumentError
 
 CompactionMode = Literal["none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random"]
@@ -14,7 +15,6 @@ ProbeSource = Literal["suffix", "keys", "random"]
 
 #: :func:`~compaction_gym.compaction.compact`'s modes, and ``none`` (sessions never compact).
 COMPACTION_MODES: tuple[str, ...] = ("none", *_COMPACT_MODES)
-PROBE_SOURCES: tuple[str, ...] = ("suffix", "keys", "random")
 DEFAULT_BUDGET_TEMPLATE = "Budget: {used}/{total} tokens generated. ~{remaining} tokens remaining."
 
 

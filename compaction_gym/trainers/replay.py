@@ -10,18 +10,21 @@ rebuilds the rollout's cache with the trainer's own model, segment by segment:
 2. an event fires once exactly ``event.logical_len`` tokens are fed — the engine's own clock, so
    "the last sampled token is not in the cache until the next call" and budget messages need no
    special case: they are tokens, fed (and masked) like any other;
-3. the event is applied to the replayed K/V with the *recorded* kept indices
-   (``compact(..., forced_indices=event.forced_indices())``), the *same* probes (``suffix``: the
-   post-RoPE queries this replay's own forward produced at ``probe_logical_range``; ``keys``: the
-   cache keys of those positions; ``random``: ``random_probes(probe_seed, index, ...)``), the β
-   already on the cache as ``key_bias``, the session's ``ridge``; the cache length before and after
-   and the logical span are checked against the record;
+3. the event is applied to the replayed K/V by :func:`~compaction_gym.compaction.apply_event`, the
+   engine's own call, with the *recorded* kept indices and the *recorded* β (a constant: refitting
+   β by NNLS would amplify the tiny K/V differences between rollout and replay), the *same*
+   probes (:func:`~compaction_gym.compaction.event_probes`; ``suffix``: the post-RoPE queries this
+   replay's own forward produced at ``probe_logical_range``; ``keys``: the recorded ``probe_rows``;
+   ``random``: ``random_probes(probe_seed, index, ...)``), the β already on the cache as
+   ``key_bias``, the session's ``ridge``; the cache length before and after and the logical span
+   are checked against the record (records without β or ``probe_rows`` — format version 1 —
+   refit β and locate the key probes from their logical range);
 4. token ``p`` is scored from the logits of token ``p − 1``, computed in the cache state it was
    fed in.
 
 With ``grad=True`` the whole replay is differentiable: C1 is a gather of the replayed keys and C2
 the ridge solve of :func:`~compaction_gym.compaction.fit_values` (differentiable in keys, values
-and probes); β is refitted without gradient (a constant), like the kept indices.
+and probes); β is the recorded constant, like the kept indices.
 ``grad_through_compaction=False`` detaches the compacted blocks instead (the seeds' choice, kept
 as an ablation).
 
@@ -43,11 +46,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from compaction_gym.compaction import compact, fit_beta, fit_values, gqa_probes, random_probes
+from compaction_gym.compaction import RowMap, apply_event, event_probes
 from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.engine.compactor import QUERY_MODES
+from compaction_gym.compaction.modes import REFIT_MODES
+from compaction_gym.compaction.probes import key_probe_rows_of_range
 from compaction_gym.engine.model_runner import ModelLayout
-from compaction_gym.engine.session import RowMap
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay_attention import (
     ReplayRound,
@@ -301,7 +304,7 @@ class _Row:
         floors = [
             e.probe_logical_range[0]
             for e in self.events[self.next_event :]
-            if e.mode in QUERY_MODES and e.probe_source == "suffix" and e.probe_logical_range
+            if e.mode in REFIT_MODES and e.probe_source == "suffix" and e.probe_logical_range
         ]
         return min(floors) if floors else None
 
@@ -359,18 +362,27 @@ class _Row:
                 f"{self.row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
             )
         t = ev.target
-        if ev.mode == "markovian" or t == 0:
-            block_k = self.k.new_zeros(lh, 0, self.k.shape[-1])
-            block_v = self.v.new_zeros(lh, 0, self.v.shape[-1])
-            block_beta = None
-        else:
-            keys = self.k.reshape(lh, self.length, -1)
-            values = self.v.reshape(lh, self.length, -1)
-            key_bias = self.beta.reshape(lh, self.length) if self.has_beta else None
-            indices = ev.forced_indices().to(self.device)
-            block_k, block_v, block_beta = self._block(ev, keys, values, key_bias, indices, t)
-            if not through:
-                block_k, block_v = block_k.detach(), block_v.detach()
+        keys = self.k.reshape(lh, self.length, -1)
+        values = self.v.reshape(lh, self.length, -1)
+        recorded = ev.recorded_beta()
+        res = apply_event(
+            keys,
+            values,
+            self._probes(ev, keys) if ev.mode in REFIT_MODES else None,
+            mode=ev.mode,
+            span=ev.span,
+            target=t,
+            compute_beta=ev.compute_beta,
+            scale=lay.scale,
+            key_bias=self.beta.reshape(lh, self.length) if self.has_beta else None,
+            ridge=self.ridge,
+            indices=ev.forced_indices().to(self.device),
+            beta=None if recorded is None else recorded.to(self.device),
+            differentiable=torch.is_grad_enabled(),
+        )
+        block_k, block_v, block_beta = res.keys, res.values, res.beta
+        if not through:
+            block_k, block_v = block_k.detach(), block_v.detach()
         shape = (lay.n_layers, lay.n_kv_heads, t)
         block_k = block_k.reshape(*shape, self.k.shape[-1])
         block_v = block_v.reshape(*shape, self.v.shape[-1])
@@ -389,120 +401,46 @@ class _Row:
                 f"the rollout had {ev.kv_len_after}"
             )
 
-    def _block(
-        self,
-        ev: CompactionEvent,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        key_bias: torch.Tensor | None,
-        indices: torch.Tensor,
-        target: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """C1, C2 and β of one event, exactly as the engine's ``compact`` call computed them."""
-        # h2o/snapkv with forced indices only validate their probes; regenerate them all the same
-        queries = self._probes(ev, keys) if ev.mode in QUERY_MODES else None
-        if values.dtype != keys.dtype or (queries is not None and queries.dtype != keys.dtype):
-            # under autocast, post-RoPE keys/queries and the value projection can differ in dtype (the
-            # engine never autocasts): compact in the keys' dtype, hand C2 back in the values' dtype
-            value_dtype = values.dtype
-            values = values.to(keys.dtype)
-            queries = None if queries is None else queries.to(keys.dtype)
-            block_k, block_v, beta = self._block_same_dtype(
-                ev, keys, values, queries, key_bias, indices, target
-            )
-            return block_k, block_v.to(value_dtype), beta
-        return self._block_same_dtype(ev, keys, values, queries, key_bias, indices, target)
-
-    def _block_same_dtype(
-        self,
-        ev: CompactionEvent,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor | None,
-        key_bias: torch.Tensor | None,
-        indices: torch.Tensor,
-        target: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        lay = self.layout
-        if not torch.is_grad_enabled():
-            res = compact(
-                keys, values, queries, ev.span, target, mode=ev.mode, compute_beta=ev.compute_beta,
-                forced_indices=indices, scale=lay.scale, key_bias=key_bias, ridge=self.ridge,
-            )  # fmt: skip
-            return res.keys, res.values, res.beta
-        # Differentiable path: the same operations as `compact`, with β fitted as a constant.
-        kept_k = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
-        old_beta = None if key_bias is None else torch.gather(key_bias.float(), 1, indices)
-        if ev.mode != "attention_matching":
-            kept_v = torch.gather(values, 1, indices[:, :, None].expand(-1, -1, values.shape[2]))
-            return kept_k, kept_v, old_beta
-        beta = None
-        if ev.compute_beta:
-            with torch.no_grad():
-                beta = fit_beta(
-                    keys.detach(), queries.detach(), ev.span, indices, scale=lay.scale, key_bias=key_bias
-                )
-        c2 = fit_values(
-            keys,
-            values,
-            queries,
-            ev.span,
-            indices,
-            beta=beta,
-            scale=lay.scale,
-            key_bias=key_bias,
-            ridge=self.ridge,
-        )
-        return kept_k, c2, beta if ev.compute_beta else old_beta
-
     def _probes(self, ev: CompactionEvent, keys: torch.Tensor) -> torch.Tensor:
         """The event's probe queries ``[L·H_kv, n, d]``, regenerated from the replay."""
         lay = self.layout
-        if ev.probe_source == "random":
-            if ev.probe_seed is None:
-                raise InvalidArgumentError(
-                    f"trajectory {self.index}, event {ev.index}: random probes without a seed"
-                )
-            return random_probes(
-                ev.probe_seed, ev.index, lay.n_layers, lay.n_kv_heads, self.n_probe, lay.head_dim,
-                dtype=keys.dtype, device=keys.device,
-            )  # fmt: skip
-        if ev.probe_logical_range is None:
-            raise InvalidArgumentError(
-                f"trajectory {self.index}, event {ev.index}: {ev.probe_source} probes without a probe_logical_range"
-            )
-        a, b = ev.probe_logical_range
+        where = f"trajectory {self.index}, event {ev.index}"
+        rows = queries = None
+        if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
+            raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
         if ev.probe_source == "keys":
-            lo, hi = self._key_rows(a, b)
-            return keys[:, lo:hi]
-        if ev.probe_source != "suffix":
-            raise InvalidArgumentError(f"unknown probe_source {ev.probe_source!r} in event {ev.index}")
-        parts = []
-        for first, q in self.probe_chunks:
-            lo, hi = max(a, first), min(b, first + q.shape[2])
-            if lo < hi:
-                parts.append(q[:, :, lo - first : hi - first])
-        got = sum(p.shape[2] for p in parts)
-        if got != b - a:
-            raise InvalidArgumentError(
-                f"trajectory {self.index}, event {ev.index}: suffix probes need the queries of logical "
-                f"positions [{a}, {b}) but only {got} of them were fed before the event"
-            )
-        return gqa_probes(torch.cat(parts, dim=2).contiguous(), lay.n_kv_heads)
-
-    def _key_rows(self, a: int, b: int) -> tuple[int, int]:
-        """Cache rows whose keys were the ``keys`` probes of logical range ``[a, b)``."""
-        lo, last = self.row_map.row_of(a), self.row_map.row_of(b - 1)
-        if lo is not None and last is not None and last - lo == b - 1 - a:
-            return lo, last + 1
-        # the engine's fallback when no response was raw: the newest n_probe_queries rows
-        hi = self.length
-        lo = max(0, hi - self.n_probe)
-        if self.row_map.logical_span(lo, hi) != (a, b):
-            raise InvalidArgumentError(
-                f"trajectory {self.index}: cannot locate the key probes of logical range [{a}, {b}) in the cache"
-            )
-        return lo, hi
+            rows = ev.probe_rows
+            try:
+                if rows is None:  # a version-1 record: locate them as the engine chose them
+                    rows = key_probe_rows_of_range(self.row_map, self.length, self.n_probe, ev.probe_logical_range)
+                ok = 0 <= rows[0] < rows[1] <= self.length
+                if not ok or self.row_map.logical_span(*rows) != ev.probe_logical_range:
+                    raise InvalidArgumentError(
+                        f"probe_rows {rows} do not hold logical range {ev.probe_logical_range} in the replay"
+                    )
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{where}: {exc}") from None
+        elif ev.probe_source == "suffix":
+            a, b = ev.probe_logical_range
+            parts = []
+            for first, q in self.probe_chunks:
+                lo, hi = max(a, first), min(b, first + q.shape[2])
+                if lo < hi:
+                    parts.append(q[:, :, lo - first : hi - first])
+            got = sum(p.shape[2] for p in parts)
+            if got != b - a:
+                raise InvalidArgumentError(
+                    f"{where}: suffix probes need the queries of logical "
+                    f"positions [{a}, {b}) but only {got} of them were fed before the event"
+                )
+            queries = torch.cat(parts, dim=2)
+        try:
+            return event_probes(
+                ev.probe_source, keys, n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, n_probe=self.n_probe,
+                event_index=ev.index, seed=ev.probe_seed, rows=rows, queries=queries,
+            )  # fmt: skip
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"trajectory {self.index}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------ forward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -172,3 +173,25 @@ def test_jsonable_handles_numpy_and_objects():
     out = jsonable({"a": np.float32(0.5), 1: np.arange(3), "s": {2}, "c": CompactionConfig()})
     assert out == {"a": 0.5, "1": [0, 1, 2], "s": [2], "c": CompactionConfig().to_dict()}
     json.dumps(out)
+
+
+def test_jsonl_round_trip_keeps_recorded_beta(tmp_path):
+    """Events of format 2 (recorded β, key-probe rows) survive JSONL; lines written before it still load."""
+    traj = make_trajectory()
+    g = torch.Generator().manual_seed(3)
+    traj.events[0] = dataclasses.replace(
+        traj.events[0], probe_source="keys", probe_rows=(30, 40), beta=torch.randn(2, 3, 8, generator=g)
+    )
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, [traj])
+    (back,) = read_jsonl(path)
+    assert torch.equal(back.events[0].beta, traj.events[0].beta) and back.events[0].beta.dtype == torch.float32
+    assert back.events[0].probe_rows == (30, 40) and back.events[1].beta is None
+    assert back.to_dict() == traj.to_dict()
+    # a line written before format 2: events without version / probe_rows / beta
+    old = traj.to_dict()
+    old["events"] = [{k: v for k, v in e.items() if k not in ("version", "probe_rows", "beta")} for e in old["events"]]
+    path.write_text(json.dumps(old) + "\n")
+    (legacy,) = read_jsonl(path)
+    assert all(e.beta is None and e.probe_rows is None for e in legacy.events)
+    assert all(torch.equal(a.indices, b.indices) for a, b in zip(legacy.events, traj.events))

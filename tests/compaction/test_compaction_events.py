@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from compaction_gym.compaction import CompactionEvent, compact
+from compaction_gym.compaction.events import EVENT_FORMAT_VERSION
 from compaction_gym.errors import InvalidArgumentError
 
 
@@ -97,3 +101,60 @@ def test_corrupt_dicts_raise():
         CompactionEvent.from_dict({k: v for k, v in d.items() if k != "kv_len_after"})
     with pytest.raises(InvalidArgumentError, match="int32"):
         _event(torch.full((1, 1, 1), 2**40)).to_dict()
+
+
+# ------------------------------------------------------------------ format version 2: probe_rows, beta
+def _v2_event(seed: int, target: int) -> CompactionEvent:
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(32, generator=g)[:target].sort().values + 16 for _ in range(12)])
+    beta = torch.randn(3, 4, target, generator=g, dtype=torch.float64) * 5
+    return _event(indices.reshape(3, 4, target), beta=beta, probe_source="keys", probe_seed=None,
+                  probe_logical_range=(100, 116), probe_rows=(80, 96))  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), target=st.integers(1, 9))
+def test_v2_round_trip_is_lossless(seed, target):
+    event = _v2_event(seed, target)
+    assert event.beta.dtype == torch.float32  # recorded as the cache stores it
+    d = json.loads(event.to_json())
+    assert d["version"] == EVENT_FORMAT_VERSION == 2
+    assert d["probe_rows"] == [80, 96] and d["beta"]["dtype"] == "float32"
+    raw = base64.b64decode(d["beta"]["data"])
+    assert len(raw) == 4 * 12 * target
+    # little-endian float32, C order: an independent decode with struct
+    floats = struct.unpack(f"<{12 * target}f", raw)
+    assert torch.equal(torch.tensor(floats, dtype=torch.float32).reshape(3, 4, target), event.beta)
+    back = CompactionEvent.from_dict(d)
+    assert back == event and back.probe_rows == (80, 96)
+    assert torch.equal(back.beta, event.beta) and back.beta.dtype == torch.float32
+    assert torch.equal(back.recorded_beta(), event.beta.reshape(12, target))
+
+
+def test_version_1_dicts_still_load():
+    """A record written before format 2 (no version, probe_rows or beta) loads with those unset."""
+    event = _v2_event(0, 4)
+    old = {k: v for k, v in event.to_dict().items() if k not in ("version", "probe_rows", "beta")}
+    back = CompactionEvent.from_dict(json.loads(json.dumps(old)))
+    assert back.beta is None and back.probe_rows is None and back.recorded_beta() is None
+    assert torch.equal(back.indices, event.indices) and back.probe_logical_range == (100, 116)
+    assert back.to_dict()["version"] == 2  # re-saved in the current format
+    assert CompactionEvent.from_dict(dict(old, version=1)) == back
+
+
+def test_v2_bad_fields_raise():
+    event = _v2_event(1, 3)
+    d = event.to_dict()
+    for version in (0, 3, "2", True):
+        with pytest.raises(InvalidArgumentError, match="version"):
+            CompactionEvent.from_dict(dict(d, version=version))
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        CompactionEvent.from_dict(dict(d, beta=dict(d["beta"], data="!!")))
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        CompactionEvent.from_dict(dict(d, beta=dict(d["beta"], dtype="int32")))
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        CompactionEvent.from_dict(dict(d, beta=dict(d["beta"], shape=[3, 4, 4])))
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        _event(event.indices, beta=torch.zeros(3, 4, 2))
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        _event(event.indices, beta=torch.zeros(3, 4, 3, dtype=torch.long))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import compaction_gym  # noqa: F401  (registers the env ids)
 from compaction_gym.agents import CompactionAgent, Trajectory, run_episode
 from compaction_gym.backends import LocalBackend
+from compaction_gym.compaction import CompactionEvent
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
@@ -85,8 +86,9 @@ def test_replay_without_compaction(engine, model):
 @pytest.mark.parametrize(
     ("probes", "trigger", "extra"),
     [
-        # keys probes are the latest response's raw rows (a handful mid-decode): keep t small so that the
-        # β fit stays well posed (fewer probes than kept keys amplify float noise into other β values)
+        # keys probes are the latest response's raw rows (a handful mid-decode); replay takes β from the
+        # record, and the property test covers larger t — these ratios also keep a refit well posed
+        # (test_replay_of_version_1_records)
         ("keys", "turn", {"n_protect_turns": 0, "compact_target_ratio": 0.125}),
         ("keys", "kv_budget", {"compact_target_ratio": 0.125}),
         ("random", "kv_budget", {}),
@@ -197,3 +199,29 @@ def test_replay_of_babyai_agent_trajectory(engine, model):
     traj = Trajectory.from_dict(traj.to_dict())
     assert len(traj.events) >= 2 and traj.num_generated == 18
     assert max_sampled_diff(replay_logprobs(model, traj), traj) < TOL
+
+
+@pytest.mark.parametrize(("probes", "extra"), [("suffix", {}), ("keys", {"compact_target_ratio": 0.125})])
+def test_replay_of_version_1_records(engine, model, probes, extra):
+    """Records written before format 2 (no recorded β, no probe_rows) still replay: β is refitted and
+    the key probes are located from their logical range (well-posed fits, as before format 2)."""
+    cfg = dataclasses.replace(config("attention_matching+beta", "kv_budget"), queries=probes, **extra)
+    view = plain_session(engine, cfg, seed=7)
+    assert all(e.beta is not None for e in view.events)
+    assert all((e.probe_rows is not None) == (probes == "keys") for e in view.events)
+    old = tuple(
+        CompactionEvent.from_dict({k: v for k, v in e.to_dict().items() if k not in ("version", "probe_rows", "beta")})
+        for e in view.events
+    )
+    assert all(e.beta is None and e.probe_rows is None for e in old)
+    assert max_sampled_diff(replay_logprobs(model, dataclasses.replace(view, events=old)), view) < TOL
+
+
+def test_recorded_beta_is_what_replay_writes(engine, model):
+    """Replay writes the recorded β on the kept rows: a perturbed record changes the scores."""
+    view = plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=31)
+    assert max_sampled_diff(replay_logprobs(model, view), view) < TOL
+    first, *rest = view.events
+    shifted = dataclasses.replace(first, beta=first.beta + 1.0)
+    moved = dataclasses.replace(view, events=(shifted, *rest))
+    assert max_sampled_diff(replay_logprobs(model, moved), view) > 10 * TOL

@@ -1,0 +1,30 @@
+"""The compaction modes and what each needs (see ``docs/compaction.md``): one list for the
+algorithms, the engine and replay."""
+
+from __future__ import annotations
+
+import math
+
+#: Modes :func:`~compaction_gym.compaction.compact` accepts (the config's ``none`` means "never compact").
+COMPACTION_MODES: tuple[str, ...] = (
+    "attention_matching",
+    "markovian",
+    "h2o",
+    "snapkv",
+    "streaming",
+    "random",
+)
+
+#: Modes whose selection reads attention from probe queries.
+QUERY_MODES: frozenset[str] = frozenset({"attention_matching", "h2o", "snapkv"})
+
+#: Modes that need probes even when the kept indices are given (C2 is refitted from them).
+REFIT_MODES: frozenset[str] = frozenset({"attention_matching"})
+
+#: Probe sources: recorded post-RoPE queries, cache keys, or seeded N(0, I) vectors.
+PROBE_SOURCES: tuple[str, ...] = ("suffix", "keys", "random")
+
+
+def target_size(mode: str, n: int, ratio: float) -> int:
+    """Rows kept from a span of ``n`` rows: ``0`` for markovian, else ``max(1, floor(n · ratio))``."""
+    return 0 if mode == "markovian" else max(1, math.floor(n * ratio))
