@@ -1,4 +1,4 @@
-"""The compaction algorithms (DESIGN §3): pure, batched tensor functions, no model or engine state.
+"""The compaction algorithms (docs/compaction.md): pure, batched tensor functions, no model or engine state.
 
 Every function takes tensors batched over a leading ``B`` = layers × KV heads and runs all rows
 in one call. See ``docs/compaction.md`` for the math, shapes and modes.

@@ -1,4 +1,4 @@
-"""The record of one compaction event: enough to replay it exactly (DESIGN §3.6).
+"""The record of one compaction event: enough to replay it exactly (docs/compaction.md, "Events").
 
 Serialisation: :meth:`CompactionEvent.to_dict` is JSON-safe and carries ``"version"``
 (:data:`EVENT_FORMAT_VERSION`; dicts without it are version 1 and still load). The kept indices, an

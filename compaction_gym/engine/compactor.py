@@ -1,4 +1,4 @@
-"""Compaction triggers and their application to a session's slot (DESIGN §3-§4).
+"""Compaction triggers and their application to a session's slot (docs/engine.md, "Triggers").
 
 The math lives in :mod:`compaction_gym.compaction`; this module decides *when* and *which span*,
 gathers the probes (:func:`~compaction_gym.compaction.event_probes`), calls

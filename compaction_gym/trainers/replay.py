@@ -2,7 +2,7 @@
 
 A session compacted during the rollout never saw its full history again: after each event the
 model attended to ``[prefix | C1/C2/β block | suffix]``. A trainer that scores the trajectory with a
-plain forward scores a different distribution (the seeds' replay never matched). This module
+plain forward scores a different distribution (the original research code's replay never matched). This module
 rebuilds the rollout's cache with the trainer's own model, segment by segment:
 
 1. tokens are fed in logical order, at their logical positions (``position_ids`` = index in
@@ -25,7 +25,7 @@ rebuilds the rollout's cache with the trainer's own model, segment by segment:
 With ``grad=True`` the whole replay is differentiable: C1 is a gather of the replayed keys and C2
 the ridge solve of :func:`~compaction_gym.compaction.fit_values` (differentiable in keys, values
 and probes); β is the recorded constant, like the kept indices.
-``grad_through_compaction=False`` detaches the compacted blocks instead (the seeds' choice, kept
+``grad_through_compaction=False`` detaches the compacted blocks instead (the original research code's choice, kept
 as an ablation).
 
 Any Hugging Face causal LM with the standard attention layout works (Llama, Qwen2, Qwen3, ...,

@@ -1,4 +1,4 @@
-"""The GPU fast path of the engine (Qwen3, Qwen2, Llama families), DESIGN §5 and §11.
+"""The GPU fast path of the engine (Qwen3, Qwen2, Llama families) (docs/fast-path.md).
 
 * :mod:`~compaction_gym.engine.fast.model` — :class:`FastDecoder`: the HF model's own weights
   (q/k/v and gate/up packed in place), one fused kernel per normalisation / rotary / activation;
