@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gymnasium import spaces
+from gymnasium.error import ResetNeeded
 
 from compaction_gym.envs.babyai.actions import ACTION_NAMES
 from compaction_gym.envs.babyai.levels import MixedTrainLocal
@@ -32,7 +33,8 @@ class BabyAISymbolicEnv(MixedTrainLocal):
     ``1 − 0.9 · step / max_steps`` on success, 0 otherwise.
 
     ## Episode End
-    As the text env: success or BabyAI failure terminates, ``max_steps`` truncates.
+    As the text env: success or BabyAI failure terminates, ``max_steps`` truncates; a step after
+    the end (or before the first reset) raises ``gymnasium.error.ResetNeeded``.
 
     ## Arguments
     ``task``, ``num_dists``, ``room_size``, ``max_steps``, ``render_mode`` as
@@ -50,3 +52,18 @@ class BabyAISymbolicEnv(MixedTrainLocal):
         super().__init__(task, **kwargs)
         assert len(ACTION_NAMES) == 6
         self.action_space = spaces.Discrete(num_actions)
+        self._needs_reset = True
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        out = super().reset(seed=seed, options=options)
+        self._needs_reset = False
+        return out
+
+    def step(self, action: Any):
+        if self._needs_reset:
+            raise ResetNeeded("call reset() before step() (after the episode ended, too)")
+        if isinstance(action, bool) or not self.action_space.contains(action):
+            raise InvalidArgumentError(f"action must be an int in {self.action_space}, got {action!r}")
+        obs, reward, terminated, truncated, info = super().step(int(action))
+        self._needs_reset = bool(terminated or truncated)
+        return obs, reward, terminated, truncated, info

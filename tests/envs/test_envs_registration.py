@@ -82,3 +82,60 @@ def test_symbolic_twin_has_the_same_episodes():
             assert describe(symbolic) == text_obs
             assert isinstance(sym_obs["image"], np.ndarray) and sym_obs["image"].shape == (7, 7, 3)
     assert gym.make("AttnMatch-BabyAI-Symbolic-v0", task="open", num_actions=7).action_space.n == 7
+
+
+@pytest.mark.parametrize("env_id", ["AttnMatch-BabyAI-GoTo-v0", "AttnMatch-BabyAI-Open-v0", "AttnMatch-Math-v0"])
+@pytest.mark.parametrize("copy", [True, False])
+def test_async_vector_env_reads_the_same_text_as_sync(env_id, copy):
+    """Gymnasium 1.4's shared memory decodes Text once; ours must read every observation back."""
+    actions = ["turn left", "go forward", "toggle"] if "BabyAI" in env_id else ["<answer>1</answer>"] * 3
+    seen = {}
+    for mode in ("sync", "async"):
+        kwargs = {"vector_kwargs": {"copy": copy}} if mode == "async" else {}
+        envs = gym.make_vec(env_id, num_envs=3, vectorization_mode=mode, **kwargs)
+        try:
+            obs, _ = envs.reset(seed=7)
+            trace = [tuple(obs)]
+            for _ in range(3):
+                obs, *_ = envs.step(actions)
+                trace.append(tuple(obs))
+        finally:
+            envs.close()
+        seen[mode] = trace
+    assert seen["async"] == seen["sync"]
+    assert all(seen["async"][0]) and not any(set(o) == {"\t"} for step in seen["async"] for o in step)
+
+
+@pytest.mark.parametrize("env_id", ["AttnMatch-BabyAI-GoTo-v0", "AttnMatch-BabyAI-Symbolic-v0", "AttnMatch-Math-v0"])
+def test_no_step_after_the_episode_ends(env_id):
+    """Every env raises ResetNeeded for a step before reset and after the episode ended."""
+    from gymnasium.error import ResetNeeded
+
+    env = gym.make(env_id, max_steps=2) if "BabyAI" in env_id else gym.make(env_id)
+    raw = env.unwrapped
+    with pytest.raises(ResetNeeded):
+        raw.step(0 if "Symbolic" in env_id else "turn left")
+    env.reset(seed=1)
+    action = 0 if "Symbolic" in env_id else ("turn left" if "BabyAI" in env_id else "<answer>1</answer>")
+    done = False
+    while not done:
+        _, _, terminated, truncated, _ = raw.step(action)
+        done = terminated or truncated
+    with pytest.raises(ResetNeeded):
+        raw.step(action)
+    env.reset(seed=2)
+    raw.step(action)  # a new episode steps again
+
+
+def test_symbolic_env_refuses_actions_outside_its_space():
+    from compaction_gym.errors import InvalidArgumentError
+
+    env = gym.make("AttnMatch-BabyAI-Symbolic-v0").unwrapped
+    env.reset(seed=0)
+    for bad in (6, -1, "left", 2.5, True):
+        with pytest.raises(InvalidArgumentError, match="action"):
+            env.step(bad)
+    env.step(np.int64(2))  # numpy ints from action_space.sample() are fine
+    seven = gym.make("AttnMatch-BabyAI-Symbolic-v0", num_actions=7).unwrapped
+    seven.reset(seed=0)
+    seven.step(6)  # 'done' exists with num_actions=7

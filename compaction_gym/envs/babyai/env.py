@@ -126,7 +126,7 @@ class BabyAITextEnv(gym.Env[str, str]):
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self._needs_reset:
-            raise ResetNeeded("call reset() before step()")
+            raise ResetNeeded("call reset() before step() (after the episode ended, too)")
         if not isinstance(action, str):
             raise InvalidArgumentError(f"action must be a str (free text), got {type(action).__name__}")
         name = parse_action(action, self.action_parsing)
@@ -134,6 +134,7 @@ class BabyAITextEnv(gym.Env[str, str]):
         name = name or DEFAULT_ACTION
         index = ACTION_INDEX[name]
         _, reward, terminated, truncated, _ = self.level.step(index)
+        self._needs_reset = bool(terminated or truncated)  # as the math env: no step past the end
         if reward > 0:
             self._progression = 1.0
         if self._expert is not None:
