@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
@@ -16,6 +17,73 @@ ProbeSource = Literal["suffix", "keys", "random"]
 #: :func:`~compaction_gym.compaction.compact`'s modes, and ``none`` (sessions never compact).
 COMPACTION_MODES: tuple[str, ...] = ("none", *_COMPACT_MODES)
 DEFAULT_BUDGET_TEMPLATE = "Budget: {used}/{total} tokens generated. ~{remaining} tokens remaining."
+INT32_MAX = 2**31 - 1
+INT63_MAX = 2**63 - 1
+#: most probe queries a session may ask for (each is a query vector per layer and head)
+MAX_PROBE_QUERIES = 65536
+#: most extra stop tokens one request may give
+MAX_STOP_IDS = 1024
+
+
+def _check_fields(obj: Any) -> None:
+    """Type and range of every field, from its annotation and ``metadata`` (``ge``, ``gt``, ``le``,
+    ``max_length``); numbers must be finite, ints are not bools. Normalises numpy scalars and lists.
+
+    Raises:
+        InvalidArgumentError: naming the first bad field.
+    """
+    for f in fields(obj):
+        value, kind, meta = getattr(obj, f.name), str(f.type), f.metadata
+        name = f"{type(obj).__name__}.{f.name}"
+        if value is None:
+            if "None" not in kind:
+                raise InvalidArgumentError(f"{name} must not be None")
+            continue
+        base = kind.split(" | ")[0]
+        if base.startswith("tuple"):
+            if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+                raise InvalidArgumentError(f"{name} must be a list of ints, got {value!r:.80}")
+            if len(value) > meta.get("max_length", len(value)):
+                raise InvalidArgumentError(f"{name} takes at most {meta['max_length']} items, got {len(value)}")
+            items = tuple(_number(name, v, "int", meta) for v in value)
+            object.__setattr__(obj, f.name, items)
+        elif base in ("int", "float", "bool"):
+            object.__setattr__(obj, f.name, _number(name, value, base, meta))
+        else:  # str and the Literal aliases
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"{name} must be a str, got {type(value).__name__}")
+            if len(value) > meta.get("max_length", len(value)):
+                raise InvalidArgumentError(f"{name} is longer than {meta['max_length']} characters")
+            if "choices" in meta and value not in meta["choices"]:
+                raise InvalidArgumentError(f"{name} must be one of {tuple(meta['choices'])}, got {value!r}")
+
+
+def _number(name: str, value: Any, kind: str, meta: Any) -> Any:
+    import numbers
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {value!r:.80}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a{'n int' if kind == 'int' else ' number'}, got {value!r:.80}")
+    if kind == "int":
+        if not isinstance(value, numbers.Integral):
+            if not float(value).is_integer():
+                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+            raise InvalidArgumentError(f"{name} must be an int, got the float {value!r}")
+        value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+    if "ge" in meta and value < meta["ge"]:
+        raise InvalidArgumentError(f"{name} must be >= {meta['ge']}, got {value!r}")
+    if "gt" in meta and value <= meta["gt"]:
+        raise InvalidArgumentError(f"{name} must be > {meta['gt']}, got {value!r}")
+    if "le" in meta and value > meta["le"]:
+        raise InvalidArgumentError(f"{name} must be <= {meta['le']}, got {value!r}")
+    return value
 
 
 class _DictMixin:
@@ -48,30 +116,27 @@ class SamplingParams(_DictMixin):
         ignore_eos: keep generating through EOS (benchmarks).
     """
 
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 means greedy"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 disables it"})
-    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens; 0 disables it"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 means greedy", "ge": 0})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass in (0, 1]; 1 disables it", "gt": 0, "le": 1})
+    top_k: int = field(
+        default=0, metadata={"help": "keep the k most likely tokens; 0 disables it", "ge": 0, "le": INT32_MAX}
+    )
     seed: int | None = field(
-        default=None, metadata={"help": "seeds this request's own RNG stream (unset: nondeterministic)"}
+        default=None,
+        metadata={"help": "seeds this request's own RNG stream (unset: nondeterministic)", "ge": 0, "le": INT63_MAX},
     )
     max_new_tokens: int = field(
-        default=256, metadata={"help": "sampled tokens per response (finish reason 'length' after them)"}
+        default=256,
+        metadata={"help": "sampled tokens per response (finish reason 'length' after them)", "ge": 0, "le": INT32_MAX},
     )
     stop_token_ids: tuple[int, ...] = field(
-        default=(), metadata={"help": "extra stop tokens besides the model's EOS ids"}
+        default=(),
+        metadata={"help": "extra stop tokens besides the model's EOS ids", "ge": 0, "le": INT32_MAX, "max_length": MAX_STOP_IDS},
     )
     ignore_eos: bool = field(default=False, metadata={"help": "keep generating through EOS (benchmarks)"})
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check_fields(self)
 
     @property
     def greedy(self) -> bool:
@@ -116,20 +181,27 @@ class CompactionConfig(_DictMixin):
         default="none", metadata={"help": "compaction mode ('none': never compact)", "choices": COMPACTION_MODES}
     )
     max_kv_len: int | None = field(
-        default=None, metadata={"help": "KV-budget trigger: compact when the cache reaches this many rows"}
+        default=None,
+        metadata={"help": "KV-budget trigger: compact when the cache reaches this many rows", "gt": 0, "le": INT32_MAX},
     )
     compact_window: int | None = field(
-        default=None, metadata={"help": "rows compacted per KV-budget event (default: max_kv_len // 2)"}
+        default=None,
+        metadata={"help": "rows compacted per KV-budget event (default: max_kv_len // 2)", "gt": 0, "le": INT32_MAX},
     )
     compact_target_ratio: float = field(
-        default=0.25, metadata={"help": "kept fraction of a compacted span, in (0, 1]", "aliases": ("ratio",)}
+        default=0.25,
+        metadata={"help": "kept fraction of a compacted span, in (0, 1]", "aliases": ("ratio",), "gt": 0, "le": 1},
     )
-    n_compacts: int = field(default=99, metadata={"help": "at most this many KV-budget events per session"})
+    n_compacts: int = field(
+        default=99, metadata={"help": "at most this many KV-budget events per session", "ge": 0, "le": INT32_MAX}
+    )
     max_total_tokens: int | None = field(
-        default=None, metadata={"help": "cap on tokens generated in the session (finish reason 'budget')"}
+        default=None,
+        metadata={"help": "cap on tokens generated in the session (finish reason 'budget')", "gt": 0, "le": INT32_MAX},
     )
     n_protect_turns: int = field(
-        default=-1, metadata={"help": "turn-based trigger: keep the last k turns raw; -1 disables it"}
+        default=-1,
+        metadata={"help": "turn-based trigger: keep the last k turns raw; -1 disables it", "ge": -1, "le": INT32_MAX},
     )
     recompact_from_prompt: bool = field(
         default=False, metadata={"help": "turn-based: re-compact everything after the prompt each time"}
@@ -140,41 +212,27 @@ class CompactionConfig(_DictMixin):
         metadata={"help": "probe queries: recent queries (suffix), cache keys (keys) or random", "choices": PROBE_SOURCES},
     )
     n_probe_queries: int = field(
-        default=256, metadata={"help": "probe queries per layer (recent positions kept, or random draws)"}
+        default=256,
+        metadata={
+            "help": "probe queries per layer (recent positions kept, or random draws)",
+            "gt": 0,
+            "le": MAX_PROBE_QUERIES,
+        },
     )
     compute_beta: bool = field(
         default=False, metadata={"help": "fit the per-key logit bias beta (attention_matching only)"}
     )
-    ridge: float = field(default=1e-4, metadata={"help": "relative ridge strength of the C2 value solve"})
+    ridge: float = field(default=1e-4, metadata={"help": "relative ridge strength of the C2 value solve", "ge": 0})
     inject_budget_message: bool = field(
         default=False, metadata={"help": "after each compaction event, feed the budget message"}
     )
     budget_message_template: str = field(
         default=DEFAULT_BUDGET_TEMPLATE,
-        metadata={"help": "budget message, formatted with {used}, {total} and {remaining}"},
+        metadata={"help": "budget message, formatted with {used}, {total} and {remaining}", "max_length": 4096},
     )
 
     def __post_init__(self) -> None:
-        if self.mode not in COMPACTION_MODES:
-            raise InvalidArgumentError(f"mode must be one of {COMPACTION_MODES}, got {self.mode!r}")
-        if self.queries not in PROBE_SOURCES:
-            raise InvalidArgumentError(f"queries must be one of {PROBE_SOURCES}, got {self.queries!r}")
-        if not 0 < self.compact_target_ratio <= 1:
-            raise InvalidArgumentError(f"compact_target_ratio must be in (0, 1], got {self.compact_target_ratio}")
-        if self.max_kv_len is not None and self.max_kv_len <= 0:
-            raise InvalidArgumentError(f"max_kv_len must be positive, got {self.max_kv_len}")
-        if self.compact_window is not None and self.compact_window <= 0:
-            raise InvalidArgumentError(f"compact_window must be positive, got {self.compact_window}")
-        if self.n_compacts < 0:
-            raise InvalidArgumentError(f"n_compacts must be >= 0, got {self.n_compacts}")
-        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
-            raise InvalidArgumentError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
-        if self.n_protect_turns < -1:
-            raise InvalidArgumentError(f"n_protect_turns must be >= -1 (-1 disables it), got {self.n_protect_turns}")
-        if self.n_probe_queries <= 0:
-            raise InvalidArgumentError(f"n_probe_queries must be positive, got {self.n_probe_queries}")
-        if self.ridge < 0:
-            raise InvalidArgumentError(f"ridge must be >= 0, got {self.ridge}")
+        _check_fields(self)
         if self.mode == "none" and (self.max_kv_len is not None or self.n_protect_turns >= 0):
             raise InvalidArgumentError(
                 "mode='none' contradicts a compaction trigger (max_kv_len or n_protect_turns); "

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from compaction_gym.engine.config import MAX_STOP_IDS
 from compaction_gym.errors import CompactionGymError
 from compaction_gym.servers.args import ServerArgs
 from compaction_gym.servers.errors import ClientDisconnected, error_body, status_of
@@ -79,7 +80,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     async def compact_generate(body: CompactGenerateRequest, request: Request) -> dict[str, Any]:
         """One prompt, compacted mid-generation; no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
-        state.check_ids("stop_token_ids", body.stop_token_ids, limit=1 << 16)
+        state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
         result, text, info = await unless_disconnected(request, work)
@@ -89,7 +90,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     async def session_create(body: SessionCreateRequest, request: Request) -> dict[str, Any]:
         """Prefill ``prompt_ids`` into a new session and generate its first response."""
         state.check_ids("prompt_ids", body.prompt_ids)
-        state.check_ids("stop_token_ids", body.stop_token_ids, limit=1 << 16)
+        state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, session_id=body.session_id)
         result, text, info = await unless_disconnected(request, work)
@@ -115,7 +116,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
         for i, item in enumerate(body.requests):
             if isinstance(item, SessionCreateRequest):
                 state.check_ids(f"requests.{i}.prompt_ids", item.prompt_ids)
-                state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=1 << 16)
+                state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=MAX_STOP_IDS)
                 args = (item.prompt_ids, item.compaction_config(), item.sampling())
                 calls.append((state.worker.create, args, {"session_id": item.session_id}))
             else:
@@ -171,7 +172,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
 def _check_step(state: ServerState, body: SessionStepRequest, prefix: str) -> None:
     state.check_ids(prefix + "new_token_ids", body.new_token_ids)
-    state.check_ids(prefix + "stop_token_ids", body.stop_token_ids, limit=1 << 16)
+    state.check_ids(prefix + "stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -17,11 +17,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from compaction_gym.engine.config import COMPACTION_MODES, PROBE_SOURCES, CompactionConfig, SamplingParams
+from compaction_gym.engine.config import (
+    COMPACTION_MODES,
+    MAX_STOP_IDS,
+    PROBE_SOURCES,
+    CompactionConfig,
+    SamplingParams,
+)
 from compaction_gym.engine.types import StepResult
 
 _SP = SamplingParams()
-_CC = CompactionConfig()
+_UNSET: Any = object()
 
 TokenId = Annotated[int, Field(ge=0)]
 SessionId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
@@ -39,9 +45,30 @@ SEED_ALIASES: dict[str, str] = {
 }
 
 
+def _meta(cls: type, name: str) -> Any:
+    return next(f.metadata for f in fields(cls) if f.name == name)
+
+
+def _is_float(cls: type, name: str) -> bool:
+    return next(str(f.type) for f in fields(cls) if f.name == name).startswith("float")
+
+
 def _help(cls: type, name: str) -> str:
     """The field's help text, declared once on the dataclass."""
-    return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
+    return _meta(cls, name).get("help", "")
+
+
+def _field(cls: type, name: str, default: Any = _UNSET, **extra: Any) -> Any:
+    """A request field for ``cls.name``: its default, help text and range (``ge``/``gt``/``le``/
+    ``max_length`` from the dataclass metadata), so the 422 comes before the engine is asked."""
+    meta = _meta(cls, name)
+    bounds = {k: meta[k] for k in ("ge", "gt", "le") if k in meta}
+    if "max_length" in meta and cls is CompactionConfig:  # a string's length (a list's items: see stop ids)
+        bounds["max_length"] = meta["max_length"]
+    default = getattr(cls(), name) if default is _UNSET else default
+    if _is_float(cls, name):
+        extra.setdefault("allow_inf_nan", False)  # JSON's Infinity / 1e400 are not temperatures
+    return Field(default, description=meta.get("help", ""), **bounds, **extra)
 
 
 class _Request(BaseModel):
@@ -51,17 +78,20 @@ class _Request(BaseModel):
 class SamplingFields(_Request):
     """Per-request sampling; unset fields keep the library (or, for a step, the session's) default."""
 
-    temperature: float = Field(_SP.temperature, ge=0, description=_help(SamplingParams, "temperature"))
-    top_p: float = Field(_SP.top_p, gt=0, le=1, description=_help(SamplingParams, "top_p"))
-    top_k: int = Field(_SP.top_k, ge=0, description=_help(SamplingParams, "top_k"))
-    seed: int | None = Field(_SP.seed, description=_help(SamplingParams, "seed"))
+    temperature: float = _field(SamplingParams, "temperature")
+    top_p: float = _field(SamplingParams, "top_p")
+    top_k: int = _field(SamplingParams, "top_k")
+    seed: int | None = _field(SamplingParams, "seed")
     stop_token_ids: list[TokenId] = Field(
-        default_factory=list, description=_help(SamplingParams, "stop_token_ids")
+        default_factory=list,
+        max_length=MAX_STOP_IDS,
+        description=f"{_help(SamplingParams, 'stop_token_ids')} (at most {MAX_STOP_IDS})",
     )
-    ignore_eos: bool = Field(_SP.ignore_eos, description=_help(SamplingParams, "ignore_eos"))
+    ignore_eos: bool = _field(SamplingParams, "ignore_eos")
     max_new_tokens: int | None = Field(
         None,
         ge=0,
+        le=_meta(SamplingParams, "max_new_tokens")["le"],
         validation_alias=AliasChoices("max_new_tokens", "max_response_tokens"),
         description=f"{_help(SamplingParams, 'max_new_tokens')} (alias max_response_tokens; "
         f"default {_SP.max_new_tokens})",
@@ -82,9 +112,8 @@ class SamplingFields(_Request):
         return SamplingParams(**overrides) if overrides else None
 
 
-def _cc(name: str, **constraints: Any) -> Any:
-    """A request field for ``CompactionConfig.name``: its default and help, plus range constraints."""
-    return Field(getattr(_CC, name), description=_help(CompactionConfig, name), **constraints)
+def _cc(name: str) -> Any:
+    return _field(CompactionConfig, name)
 
 
 class CompactionFields(_Request):
@@ -96,12 +125,12 @@ class CompactionFields(_Request):
         description=f"{_help(CompactionConfig, 'mode')}, one of {COMPACTION_MODES} (alias compaction_mode); "
         "default attention_matching when max_kv_len or n_protect_turns>=0 is set, else none",
     )
-    max_kv_len: int | None = _cc("max_kv_len", gt=0)
-    compact_window: int | None = _cc("compact_window", gt=0)
-    compact_target_ratio: float = _cc("compact_target_ratio", gt=0, le=1)
-    n_compacts: int = _cc("n_compacts", ge=0)
-    max_total_tokens: int | None = _cc("max_total_tokens", gt=0)
-    n_protect_turns: int = _cc("n_protect_turns", ge=-1)
+    max_kv_len: int | None = _cc("max_kv_len")
+    compact_window: int | None = _cc("compact_window")
+    compact_target_ratio: float = _cc("compact_target_ratio")
+    n_compacts: int = _cc("n_compacts")
+    max_total_tokens: int | None = _cc("max_total_tokens")
+    n_protect_turns: int = _cc("n_protect_turns")
     recompact_from_prompt: bool = _cc("recompact_from_prompt")
     protect_prompt: bool = _cc("protect_prompt")
     queries: Literal[PROBE_SOURCES] | None = Field(  # type: ignore[valid-type]
@@ -110,11 +139,11 @@ class CompactionFields(_Request):
     use_suffix_queries: bool | None = Field(
         None, description="original research API's alias of queries: true=suffix, false=random probes"
     )
-    n_probe_queries: int = _cc("n_probe_queries", gt=0)
+    n_probe_queries: int = _cc("n_probe_queries")
     compute_beta: bool = _cc("compute_beta")
-    ridge: float = _cc("ridge", ge=0)
+    ridge: float = _cc("ridge")
     inject_budget_message: bool = _cc("inject_budget_message")
-    budget_message_template: str = _cc("budget_message_template", max_length=4096)
+    budget_message_template: str = _cc("budget_message_template")
 
     def compaction_config(self) -> CompactionConfig | None:
         """``CompactionConfig`` from the set fields, or ``None`` when none was set (engine default).

@@ -194,3 +194,28 @@ def test_seed_aliases_and_dataclass_names_give_the_same_config():
     assert seeds.compaction_config() == ours.compaction_config()
     assert seeds.sampling() == ours.sampling()
     assert ours.compaction_config().mode == "markovian" and ours.sampling().max_new_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ('{"prompt_ids": [1], "temperature": Infinity}', "temperature"),
+        ('{"prompt_ids": [1], "temperature": 1e400}', "temperature"),
+        ('{"prompt_ids": [1], "ridge": NaN}', "ridge"),
+        ('{"prompt_ids": [1], "top_k": 1180591620717411303424}', "top_k"),
+        ('{"prompt_ids": [1], "max_new_tokens": 2.5}', "max_new_tokens"),
+        ('{"prompt_ids": [1], "max_kv_len": 64.5}', "max_kv_len"),
+        ('{"prompt_ids": [1], "max_kv_len": "64"}', "max_kv_len"),
+        ('{"prompt_ids": [1], "n_probe_queries": 1000000000000}', "n_probe_queries"),
+        ('{"prompt_ids": [1], "stop_token_ids": "ab"}', "stop_token_ids"),
+    ],
+)
+def test_non_finite_and_wrongly_typed_values_are_422s_naming_the_field(body, field):
+    """The schema refuses them before the engine is asked (its bounds come from the dataclasses)."""
+    from pydantic import ValidationError
+
+    from compaction_gym.servers.schemas import SessionCreateRequest
+
+    with pytest.raises(ValidationError) as info:
+        SessionCreateRequest.model_validate_json(body)
+    assert any(field in ".".join(map(str, e["loc"])) for e in info.value.errors()), info.value.errors()
