@@ -11,7 +11,6 @@ from scipy.optimize import nnls as scipy_nnls
 
 from compaction_gym.compaction import fit_beta, nnls, select_keys
 
-
 #: The unregularised span-mass NNLS (no box, no ridge, no probe guard): what the solver tests check.
 UNREG = dict(bounds=None, ridge=0.0, min_probes_per_key=0.0)
 
