@@ -201,24 +201,34 @@ def beta_weights(
     the exact minimiser always does) or is not finite.
     """
     batch, n, t = design.shape
-    ones = torch.ones(batch, t, dtype=design.dtype, device=design.device)
     if n < min_probes_per_key * t:
-        return ones
-    gram = design.mT @ design
-    rhs = design.sum(1)  # Aᵀ1
-    rho = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / t
-    eye = torch.eye(t, dtype=design.dtype, device=design.device)
-    reg_gram = gram + rho[:, None, None] * eye
-    reg_rhs = rhs + rho[:, None]
+        return torch.ones(batch, t, dtype=design.dtype, device=design.device)
+    gram, rhs = regularised_system(design.mT @ design, design.sum(1), ridge)
     if bounds is None:
-        w = nnls(reg_gram, reg_rhs)
+        w = nnls(gram, rhs)
     else:
-        w = nnls(reg_gram, reg_rhs, lower=math.exp(bounds[0]), upper=math.exp(bounds[1]))
+        w = nnls(gram, rhs, lower=math.exp(bounds[0]), upper=math.exp(bounds[1]))
+    return keep_if_better(w, gram, rhs)
 
-    def objective(x: torch.Tensor) -> torch.Tensor:  # ½ xᵀGx − hᵀx, up to the constant
-        return 0.5 * torch.einsum("bi,bij,bj->b", x, reg_gram, x) - (reg_rhs * x).sum(-1)
 
-    good = w.isfinite().all(-1) & (objective(w) <= objective(ones))
+def regularised_system(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(AᵀA + ρI, Aᵀ1 + ρ1)``, ``ρ = ridge · trace(AᵀA) / t``: the normal equations of
+    ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path)."""
+    t = gram.shape[-1]
+    rho = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / t
+    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
+    return gram + rho[:, None, None] * eye, rhs + rho[:, None]
+
+
+def keep_if_better(w: torch.Tensor, gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``w`` where it is finite and ``½wᵀGw − hᵀw`` is no larger than at ``w = 1``, else ``1``
+    (no host synchronisation; shared with the GPU fast path)."""
+    ones = torch.ones_like(w)
+
+    def objective(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * torch.einsum("bi,bij,bj->b", x, gram, x) - (rhs * x).sum(-1)
+
+    good = w.isfinite().all(-1) & (objective(torch.nan_to_num(w)) <= objective(ones))
     return torch.where(good[:, None], w, ones)
 
 
