@@ -33,7 +33,7 @@ from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.errors import InvalidArgumentError
 
 #: Modes whose selection reads attention from probe queries.
-QUERY_MODES = frozenset({"attention_matching", "h2o", "snapkv"})
+QUERY_MODES = frozenset({"attention_matching", "h2o", "snapkv", "tova"})
 
 
 def records_queries(config) -> bool:

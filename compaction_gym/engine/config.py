@@ -9,7 +9,9 @@ from typing import Any, Literal
 from compaction_gym.compaction import COMPACTION_MODES as _COMPACT_MODES
 from compaction_gym.errors import InvalidArgumentError
 
-CompactionMode = Literal["none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random"]
+CompactionMode = Literal[
+    "none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random", "tova", "knorm"
+]
 ProbeSource = Literal["suffix", "keys", "random"]
 
 #: :func:`~compaction_gym.compaction.compact`'s modes, and ``none`` (sessions never compact).

@@ -255,6 +255,36 @@ def test_fast_beta_weights_match_the_reference_fit(n):
     assert bool((objective(w.double()) <= objective(torch.ones_like(ref)) + 1e-7).all())
 
 
+@pytest.mark.parametrize("mode", ["tova", "knorm"])
+def test_engine_sessions_run_the_new_baselines(tiny_model_path, mode):
+    """TOVA (suffix probes: the session records queries) and key norm (no probes) through KV-budget
+    events, on the generic runner and the fast runner's CPU path: same tokens and kept rows for TOVA.
+    (Key norm is not compared across runners: the tiny Qwen3 RMS-normalises keys (QK-norm), so span
+    key norms nearly tie and rounding picks among them; docs/compaction.md.)"""
+    from compaction_gym.engine import CompactionConfig, Engine
+    from compaction_gym.engine.compactor import records_queries
+
+    cfg = CompactionConfig(mode=mode, max_kv_len=64, compact_window=32, n_probe_queries=8)
+    assert records_queries(cfg) == (mode == "tova")
+    out = []
+    for fast in (False, True):
+        eng = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cpu", max_slots=1, capacity=256)
+        if fast:
+            eng.runner = eng.scheduler.runner = FastModelRunner(eng.model, eng.cache, eng.layout, cuda_graphs=False)
+        out.append(eng.create_session(list(range(30, 46)), cfg, SamplingParams(temperature=0.0, max_new_tokens=130, ignore_eos=True)))
+    ref, got = out
+    assert len(ref.events) == len(got.events) >= 3 and ref.kv_len == got.kv_len <= 64
+    for e1, e2 in zip(ref.events, got.events, strict=True):
+        for e in (e1, e2):
+            assert e.mode == mode and e.target == 8 and e.indices.shape[-1] == 8
+            assert bool(((e.indices >= e.span[0]) & (e.indices < e.span[1])).all())
+            assert bool((e.indices.diff(dim=-1) > 0).all())
+        if mode == "tova":
+            assert torch.equal(e1.indices, e2.indices)
+    if mode == "tova":
+        assert ref.token_ids == got.token_ids
+
+
 def _play(tiny_model_path, fast: bool, chunk_steps: int) -> list:
     """Sessions through KV-budget events with suffix probes and budget messages, a stop token,
     sampled and greedy rows, on an engine whose runner runs ``chunk_steps``-step chunks."""

@@ -247,10 +247,13 @@ def compact_fast(
     seed: int | None = None,
     forced_indices: torch.Tensor | None = None,
     beta_iters: int = FISTA_ITERS,
+    query_positions: torch.Tensor | None = None,
+    n_kv_heads: int | None = None,
 ) -> CompactionResult:
     """:func:`~compaction_gym.compaction.compact` with the fused GPU path for Attention Matching.
 
-    Same arguments and result. Runs the fused kernels when ``mode="attention_matching"``, the
+    Same arguments and result (``query_positions`` and ``n_kv_heads`` only matter to the
+    selection baselines, which go to ``compact``). Runs the fused kernels when ``mode="attention_matching"``, the
     tensors are on a CUDA device with Triton available, no ``forced_indices`` are given and the
     head dim is a power of two ≥ 16; everything else is delegated to ``compact`` (which also
     validates arguments: the fast path assumes the engine's already-valid inputs).
@@ -273,7 +276,8 @@ def compact_fast(
     if not fast:
         return compact(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, forced_indices=forced_indices,
-            scale=scale, key_bias=key_bias, ridge=ridge, seed=seed,
+            scale=scale, key_bias=key_bias, ridge=ridge, seed=seed, query_positions=query_positions,
+            n_kv_heads=n_kv_heads,
         )  # fmt: skip
     start, end = span
     scale = scale if scale is not None else d**-0.5
