@@ -102,10 +102,11 @@ def test_beta_stays_in_its_box_relative_to_old_bias(seed):
 ILL_POSED = [(12, False), (24, True), (48, True)]
 
 
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("n", "low_rank"), ILL_POSED)
-def test_fit_is_well_conditioned(n, low_rank):
+def test_fit_is_well_conditioned(n, low_rank, seed):
     """A 1e-6 relative perturbation of K (a rollout vs its replay) moves β and C2 by a bounded amount."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     keys = torch.randn(6, 64, 16, generator=g, dtype=F64)
     values = torch.randn(6, 64, 16, generator=g, dtype=F64)
     if low_rank:
@@ -116,8 +117,8 @@ def test_fit_is_well_conditioned(n, low_rank):
     noisy = keys * (1 + 1e-6 * torch.randn(keys.shape, generator=g, dtype=F64))
     betas = [fit_beta(k, queries, span, idx) for k in (keys, noisy)]
     c2 = [fit_values(k, values, queries, span, idx, beta=b) for k, b in zip((keys, noisy), betas)]
-    assert float((betas[0] - betas[1]).abs().max()) < 1e-3
-    assert rel(c2[1], c2[0]) < 1e-3
+    assert float((betas[0] - betas[1]).abs().max()) < 1e-2
+    assert rel(c2[1], c2[0]) < 1e-2
 
 
 @settings(max_examples=25, deadline=None)
