@@ -57,7 +57,7 @@ if HAS_TRITON:
             acc += g.to(tl.float32) * vr[:, None]
         return tl.sum(acc, axis=0)
 
-    @triton.jit(do_not_specialize=["t", "iters", "power_iters", "lower", "upper"])
+    @triton.jit(do_not_specialize=["t", "iters", "power_iters"])
     def _fista_kernel(G, H, ONE, U, BUF, t, iters, power_iters, lower, upper, T: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, T)
