@@ -11,7 +11,9 @@ import math
 
 import pytest
 import torch
-from compaction_reference import F64, brute_top
+from compaction_reference import F64, brute_top, gather_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compaction_gym.compaction import compact, gqa_probes
 
@@ -189,3 +191,31 @@ def test_streaming_is_kvpress_streaming_llm(span, target):
     kept = [j + span[0] for j in range(width) if scores[j] == 1.0][:target]  # ties: the earliest (the sinks)
     keys = torch.randn(2, 30, 4, dtype=F64)
     assert compact(keys, keys, None, span, target, mode="streaming").indices.tolist() == [kept, kept]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["h2o", "snapkv", "tova", "knorm", "streaming"]),
+    length=st.integers(2, 40),
+    n=st.integers(1, 9),
+    data=st.data(),
+)
+def test_baselines_contract(seed, mode, length, n, data):
+    """Any shapes: ``t`` distinct ascending rows inside the span, original keys/values, deterministic,
+    with or without probe positions (which may lie before, inside or past the cache)."""
+    start = data.draw(st.integers(0, length - 1))
+    end = data.draw(st.integers(start + 1, length))
+    target = data.draw(st.integers(1, end - start))
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(4, length, D, generator=g)
+    values = torch.randn(4, length, D, generator=g)
+    queries = torch.randn(4, n, D, generator=g)
+    positions = data.draw(st.none() | st.lists(st.integers(0, length + 3), min_size=n, max_size=n))
+    positions = None if positions is None else torch.tensor(positions)
+    res = compact(keys, values, queries, (start, end), target, mode=mode, query_positions=positions, n_kv_heads=2)
+    again = compact(keys, values, queries, (start, end), target, mode=mode, query_positions=positions, n_kv_heads=2)
+    assert res.indices.shape == (4, target) and torch.equal(res.indices, again.indices)
+    assert bool(((res.indices >= start) & (res.indices < end)).all())
+    assert bool((res.indices.diff(dim=-1) > 0).all())
+    assert torch.equal(res.keys, gather_rows(keys, res.indices)) and torch.equal(res.values, gather_rows(values, res.indices))
