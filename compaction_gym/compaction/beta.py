@@ -52,10 +52,10 @@ def nnls(
 ) -> torch.Tensor:
     """Solve ``min_w ½ wᵀGw − hᵀw`` s.t. ``lower ≤ w ≤ upper`` for PSD ``G [B, t, t]``, ``h [B, t]``.
 
-    That is non-negative least squares ``min ‖Aw − m‖²`` given its normal equations
+    That is (box-constrained) non-negative least squares ``min ‖Aw − m‖²`` given its normal equations
     ``G = AᵀA``, ``h = Aᵀm``, for all ``B`` problems at once. Projected Newton (Bertsekas 1982)
-    on Jacobi-scaled variables: near-zero variables whose gradient pushes them down (the
-    ε-active set, at either bound) take a gradient step, the others a Newton step on their
+    on Jacobi-scaled variables: variables near a bound whose gradient pushes them across it (the
+    ε-active set) take a gradient step, the others a Newton step on their
     sub-block, solved by one batched Cholesky for several damping levels (Levenberg–Marquardt
     style, so singular ``G`` is handled); every damping × step length ``1, ½, …, 2⁻¹¹`` and a
     projected gradient step are projected onto the box and the one with the largest exact
