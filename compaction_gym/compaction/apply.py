@@ -38,6 +38,8 @@ def apply_event(
     beta: torch.Tensor | None = None,
     differentiable: bool = False,
     compact_fn: Callable[..., CompactionResult] = compact,
+    query_positions: torch.Tensor | None = None,
+    n_kv_heads: int | None = None,
 ) -> CompactionResult:
     """The block replacing rows ``span`` of every (layer, KV head) for one event.
 
@@ -63,6 +65,8 @@ def apply_event(
         beta: recorded absolute β of the kept rows ``[B, t]`` (any float dtype), with ``compute_beta``.
         differentiable: keep the autograd graph through C1 and C2 (needs ``indices``).
         compact_fn: the scoring implementation (``compact`` or a drop-in such as ``compact_fast``).
+        query_positions, n_kv_heads: as :func:`compact` (each probe's cache row, for the causal
+            masks of h2o/snapkv; the layout for tova's head average); used only when scoring.
 
     Returns:
         :class:`~compaction_gym.compaction.CompactionResult` (``beta`` float32 for recorded β).
@@ -84,12 +88,15 @@ def apply_event(
             keys, values.to(keys.dtype), None if queries is None else queries.to(keys.dtype),
             mode=mode, span=span, target=target, compute_beta=compute_beta, scale=scale, key_bias=key_bias,
             ridge=ridge, seed=seed, indices=indices, beta=beta, differentiable=differentiable, compact_fn=compact_fn,
+            query_positions=query_positions, n_kv_heads=n_kv_heads,
         )  # fmt: skip
         return CompactionResult(res.keys, res.values.to(values.dtype), res.beta, res.indices)
     if indices is None or (mode == "attention_matching" and not differentiable and beta is None):
         return compact_fn(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, scale=scale,
             key_bias=key_bias, ridge=ridge, seed=seed, forced_indices=indices,
+            query_positions=None if indices is not None else query_positions,
+            n_kv_heads=None if indices is not None else n_kv_heads,
         )  # fmt: skip
     return _replayed(
         keys, values, queries, mode, span, target, compute_beta, scale, key_bias, ridge, indices, beta

@@ -1,6 +1,13 @@
-"""Per-key logit bias β by span-mass matching, with a batched NNLS solver (DESIGN §3.2)."""
+"""Per-key logit bias β by span-mass matching, with a batched box-constrained NNLS solver.
+
+The fit is regularised so that β never hurts (docs/compaction.md, "β bounds and fallback"):
+``w = exp(β − β⁰)`` lives in a box, a ridge pulls it toward ``w = 1`` (no change), and rows with
+too few probes per kept key keep ``w = 1``.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -8,7 +15,16 @@ from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
-BETA_CLAMP = 30.0
+BETA_CLAMP = 30.0  # the absolute β is always clamped to [-30, 30]
+#: Default box on the *relative* log-weight ``β − β⁰ = log w`` (the Attention Matching reference code
+#: bounds ``w`` to ``[e⁻³, e³]``): a kept key is never silenced nor blown up by a fit.
+BETA_BOUNDS = (-3.0, 3.0)
+#: Default ridge toward ``w = 1``, relative to the mean diagonal of ``AᵀA``: makes the fit unique
+#: and Lipschitz in its inputs (a rollout and its replay agree), and fixes unseen keys at ``w = 1``.
+BETA_RIDGE = 1e-4
+#: Default probe guard: rows with fewer than this many probes per kept key (``n < ratio · t``) keep
+#: ``w = 1``: below it the span-mass fit is under-determined and hurt held-out attention.
+BETA_MIN_PROBES_PER_KEY = 1.0
 _EPS_ACTIVE = 1e-3  # cap of the ε-active threshold (in Jacobi-scaled units)
 _DAMPINGS = (1e-10, 1e-6, 1e-3, 1e-1)
 _STEPS = 12  # backtracking step lengths 1, 1/2, ..., 2^-11 tried at once
@@ -31,18 +47,21 @@ def nnls(
     max_iter: int = 100,
     rtol: float | None = None,
     damping: float | None = None,
+    lower: float = 0.0,
+    upper: float | None = None,
 ) -> torch.Tensor:
-    """Solve ``min_w ½ wᵀGw − hᵀw`` s.t. ``w ≥ 0`` for a batch of PSD ``G [B, t, t]``, ``h [B, t]``.
+    """Solve ``min_w ½ wᵀGw − hᵀw`` s.t. ``lower ≤ w ≤ upper`` for PSD ``G [B, t, t]``, ``h [B, t]``.
 
-    That is non-negative least squares ``min ‖Aw − m‖²`` given its normal equations
+    That is (box-constrained) non-negative least squares ``min ‖Aw − m‖²`` given its normal equations
     ``G = AᵀA``, ``h = Aᵀm``, for all ``B`` problems at once. Projected Newton (Bertsekas 1982)
-    on Jacobi-scaled variables: near-zero variables whose gradient pushes them down (the
-    ε-active set) take a gradient step, the others a Newton step on their sub-block, solved by
-    one batched Cholesky for several damping levels (Levenberg–Marquardt style, so singular
-    ``G`` is handled); every damping × step length ``1, ½, …, 2⁻¹¹`` and a projected gradient
-    step are projected onto ``w ≥ 0`` and the one with the largest exact decrease is taken, so
-    the objective never increases. Stops when the KKT gap ``‖w − max(w − ∇, 0)‖∞`` is below
-    ``rtol · max|h|`` for every problem, when no problem improves, or after ``max_iter``.
+    on Jacobi-scaled variables: variables near a bound whose gradient pushes them across it (the
+    ε-active set) take a gradient step, the others a Newton step on their
+    sub-block, solved by one batched Cholesky for several damping levels (Levenberg–Marquardt
+    style, so singular ``G`` is handled); every damping × step length ``1, ½, …, 2⁻¹¹`` and a
+    projected gradient step are projected onto the box and the one with the largest exact
+    decrease is taken, so the objective never increases. Stops when the KKT gap
+    ``‖w − clamp(w − ∇, lower, upper)‖∞`` is below ``rtol · max|h|`` for every problem, when no
+    problem improves, or after ``max_iter``.
 
     Args:
         gram: ``G`` ``[B, t, t]``, symmetric positive semi-definite, floating.
@@ -51,12 +70,13 @@ def nnls(
         rtol: relative tolerance of the KKT gap (default ``100·eps`` of the dtype).
         damping: use this single damping level instead of the default ladder
             ``(1e-10, 1e-6, 1e-3, 1e-1)`` (relative to the unit diagonal).
+        lower, upper: the box (``0 ≤ lower ≤ upper``; ``upper=None`` is unbounded).
 
     Returns:
-        ``w ≥ 0`` ``[B, t]``.
+        ``w`` ``[B, t]`` inside the box.
 
     Raises:
-        InvalidArgumentError: mismatched shapes, dtypes or devices, or ``max_iter < 0``.
+        InvalidArgumentError: mismatched shapes, dtypes or devices, ``max_iter < 0`` or a bad box.
 
     Example:
         >>> a = torch.rand(2, 10, 3, dtype=torch.float64)
@@ -73,6 +93,10 @@ def nnls(
     C.check_same(rhs, "rhs", gram, "gram")
     if C.as_int(max_iter, "max_iter") < 0:
         raise InvalidArgumentError(f"max_iter must be >= 0, got {max_iter}")
+    if not (isinstance(lower, int | float) and 0 <= lower < float("inf")):
+        raise InvalidArgumentError(f"lower must be a finite float >= 0, got {lower!r}")
+    if upper is not None and not (isinstance(upper, int | float) and lower <= upper < float("inf")):
+        raise InvalidArgumentError(f"upper must be None or a finite float >= lower={lower}, got {upper!r}")
     batch, t = rhs.shape
     finfo = torch.finfo(gram.dtype)
     rtol = 100 * finfo.eps if rtol is None else rtol
@@ -81,6 +105,8 @@ def nnls(
     d = torch.where(diag > 0, diag.clamp_min(finfo.tiny).rsqrt(), torch.ones_like(diag))
     gram = gram * d[:, :, None] * d[:, None, :]
     rhs = rhs * d
+    lo = float(lower) / d  # the box in scaled units
+    hi = torch.full_like(d, float("inf")) if upper is None else float(upper) / d
     eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
     jitter = 10 * t * finfo.eps
     dampings = torch.tensor(_DAMPINGS if damping is None else [damping], dtype=gram.dtype, device=gram.device)
@@ -91,16 +117,16 @@ def nnls(
 
     chol, info = torch.linalg.cholesky_ex(gram + jitter * eye)
     u = torch.cholesky_solve(rhs[:, :, None], chol)[:, :, 0]
-    u = torch.where((info == 0)[:, None] & u.isfinite(), u, torch.zeros_like(u)).clamp_min(0)
+    u = torch.where((info == 0)[:, None] & u.isfinite(), u, torch.zeros_like(u)).clamp(lo, hi)
     for _ in range(max_iter):
         grad = torch.einsum("bij,bj->bi", gram, u) - rhs
-        gap = u - (u - grad).clamp_min(0)  # zero exactly at a KKT point
+        gap = u - (u - grad).clamp(lo, hi)  # zero exactly at a KKT point
         if bool((gap.abs().amax(-1) <= tol).all()):
             break
-        # Bertsekas' ε-active set: near-zero variables that want to shrink move by a gradient
-        # step (and are projected to 0); the others take a (damped) Newton step together.
+        # Bertsekas' ε-active set: variables near a bound that want to cross it move by a
+        # gradient step (and are projected); the others take a (damped) Newton step together.
         eps_k = gap.norm(dim=-1, keepdim=True).clamp(max=_EPS_ACTIVE)
-        active = (u <= eps_k) & (grad > 0)
+        active = ((u - lo <= eps_k) & (grad > 0)) | ((hi - u <= eps_k) & (grad < 0))
         free = ~active
         reduced = torch.where(free[:, :, None] & free[:, None, :], gram, torch.zeros_like(gram))
         reduced = reduced + torch.diag_embed(active.to(gram.dtype))
@@ -110,12 +136,14 @@ def nnls(
         direction = torch.where(free[:, None], newton, -grad[:, None])
         ok = (info == 0)[..., None] & direction.isfinite().all(-1, keepdim=True)
         direction = torch.where(ok, direction, -grad[:, None] / lipschitz[:, None, None])
-        tries = (u[:, None, None, :] + steps[None, None, :, None] * direction[:, :, None, :]).clamp_min(0)
+        tries = (u[:, None, None, :] + steps[None, None, :, None] * direction[:, :, None, :]).clamp(
+            lo[:, None, None, :], hi[:, None, None, :]
+        )
         candidates = torch.cat(
             [
                 u[:, None, :],
                 tries.flatten(1, 2),
-                (u - grad / lipschitz[:, None]).clamp_min(0)[:, None, :],
+                (u - grad / lipschitz[:, None]).clamp(lo, hi)[:, None, :],
             ],
             dim=1,
         )
@@ -142,15 +170,81 @@ def mass_matching_system(
     return torch.gather(probs, 2, local), torch.ones_like(probs[:, :, 0])
 
 
+def _check_regularisation(
+    bounds: tuple[float, float] | None, ridge: float, min_probes_per_key: float
+) -> tuple[tuple[float, float] | None, float, float]:
+    if bounds is not None:
+        if not (isinstance(bounds, tuple | list) and len(bounds) == 2):
+            raise InvalidArgumentError(f"bounds must be None or a (low, high) pair of floats, got {bounds!r}")
+        low, high = (float(x) if isinstance(x, int | float) and not isinstance(x, bool) else math.nan for x in bounds)
+        if not (math.isfinite(low) and math.isfinite(high) and low <= 0 <= high):
+            raise InvalidArgumentError(f"bounds must be finite with low <= 0 <= high, got {bounds!r}")
+        bounds = (low, high)
+    for name, value in (("ridge", ridge), ("min_probes_per_key", min_probes_per_key)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"{name} must be a finite float >= 0, got {value!r}")
+    return bounds, float(ridge), float(min_probes_per_key)
+
+
+def beta_weights(
+    design: torch.Tensor,
+    *,
+    bounds: tuple[float, float] | None = BETA_BOUNDS,
+    ridge: float = BETA_RIDGE,
+    min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY,
+) -> torch.Tensor:
+    """Relative weights ``w = exp(β − β⁰)`` ``[B, t]`` from the span-mass design ``A [B, n, t]``.
+
+    ``min_{w ∈ [e^lo, e^hi]} ‖A w − 1‖² + ρ ‖w − 1‖²`` with ``ρ = ridge · trace(AᵀA) / t``
+    (float64). ``w = 1`` (no change) is returned for every row when ``n < min_probes_per_key · t``,
+    and for rows whose solution does not beat ``w = 1`` on that objective (a solver safeguard:
+    the exact minimiser always does) or is not finite.
+    """
+    batch, n, t = design.shape
+    if n < min_probes_per_key * t:
+        return torch.ones(batch, t, dtype=design.dtype, device=design.device)
+    gram, rhs = regularised_system(design.mT @ design, design.sum(1), ridge)
+    if bounds is None:
+        w = nnls(gram, rhs)
+    else:
+        w = nnls(gram, rhs, lower=math.exp(bounds[0]), upper=math.exp(bounds[1]))
+    return keep_if_better(w, gram, rhs)
+
+
+def regularised_system(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(AᵀA + ρI, Aᵀ1 + ρ1)``, ``ρ = ridge · trace(AᵀA) / t``: the normal equations of
+    ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path)."""
+    t = gram.shape[-1]
+    rho = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / t
+    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
+    return gram + rho[:, None, None] * eye, rhs + rho[:, None]
+
+
+def keep_if_better(w: torch.Tensor, gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``w`` where it is finite and ``½wᵀGw − hᵀw`` is no larger than at ``w = 1``, else ``1``
+    (no host synchronisation; shared with the GPU fast path)."""
+    ones = torch.ones_like(w)
+
+    def objective(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * torch.einsum("bi,bij,bj->b", x, gram, x) - (rhs * x).sum(-1)
+
+    good = w.isfinite().all(-1) & (objective(torch.nan_to_num(w)) <= objective(ones))
+    return torch.where(good[:, None], w, ones)
+
+
 def beta_from_logits(
-    logits: torch.Tensor, span: tuple[int, int], indices: torch.Tensor, key_bias: torch.Tensor | None
+    logits: torch.Tensor,
+    span: tuple[int, int],
+    indices: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    *,
+    bounds: tuple[float, float] | None = BETA_BOUNDS,
+    ridge: float = BETA_RIDGE,
+    min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY,
 ) -> torch.Tensor:
     """Absolute β ``[B, t]`` for already validated inputs; ``logits`` include ``key_bias``."""
-    design, mass = mass_matching_system(logits.to(C.SOLVE_DTYPE), span, indices)
-    gram = design.mT @ design
-    rhs = (design.mT @ mass[:, :, None])[:, :, 0]
-    w = nnls(gram, rhs)
-    w = w.to(logits.dtype)
+    design, _ = mass_matching_system(logits.to(C.SOLVE_DTYPE), span, indices)
+    w = beta_weights(design, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key).to(logits.dtype)
     beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
     if key_bias is not None:  # the design already carries the old bias: β is relative to it
         beta = beta + torch.gather(key_bias.to(beta.dtype), 1, indices)
@@ -165,14 +259,18 @@ def fit_beta(
     *,
     scale: float | None = None,
     key_bias: torch.Tensor | None = None,
+    bounds: tuple[float, float] | None = BETA_BOUNDS,
+    ridge: float = BETA_RIDGE,
+    min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY,
 ) -> torch.Tensor:
     """Fit the per-key logit bias β that preserves the span's attention mass for every probe.
 
-    Solves ``Σ_{j∈sel} exp(S_ij + β_j) ≈ Σ_{j∈W} exp(S_ij)`` for ``w = exp(β) ≥ 0`` by batched
-    non-negative least squares (each probe's row shifted by its span log-sum-exp, so every
-    probe's relative mass error counts alike), then
-    ``β = clamp(log(max(w, tiny)), -30, 30)``. Only the span's mass is matched: keys outside
-    the span stay in the cache and keep their own mass.
+    Solves ``Σ_{j∈sel} exp(S_ij + β_j) ≈ Σ_{j∈W} exp(S_ij)`` for ``w = exp(β − β⁰)`` by batched
+    box-constrained least squares (each probe's row shifted by its span log-sum-exp, so every
+    probe's relative mass error counts alike) with a ridge toward ``w = 1``, then
+    ``β = clamp(β⁰ + log(max(w, tiny)), -30, 30)``. Only the span's mass is matched: keys outside
+    the span stay in the cache and keep their own mass. Rows with fewer than
+    ``min_probes_per_key · t`` probes keep ``β = β⁰`` (docs/compaction.md, "β bounds and fallback").
 
     Args:
         keys: cache keys ``[B, T, d]``.
@@ -182,6 +280,9 @@ def fit_beta(
         scale: logit scale (``1/sqrt(d)`` when ``None``).
         key_bias: β already on cache rows ``[B, T]``; ``S`` includes it and the returned β is
             absolute (it replaces the old bias on the kept rows).
+        bounds: box on ``β − β⁰`` (``None``: only ``w ≥ 0``, the unregularised NNLS).
+        ridge: ridge toward ``w = 1``, relative to the mean diagonal of ``AᵀA`` (``0``: none).
+        min_probes_per_key: probe guard (``0``: always fit).
 
     Returns:
         β ``[B, t]`` in float32 (float64 for float64 inputs).
@@ -202,5 +303,8 @@ def fit_beta(
         raise InvalidArgumentError("indices must keep at least one key (t >= 1) to fit beta")
     scale = C.check_scale(scale, keys.shape[2])
     key_bias = C.check_key_bias(key_bias, keys)
+    bounds, ridge, min_probes_per_key = _check_regularisation(bounds, ridge, min_probes_per_key)
     _, logits = attention_logits(keys, queries, scale, key_bias)
-    return beta_from_logits(logits, span, indices, key_bias)
+    return beta_from_logits(
+        logits, span, indices, key_bias, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key
+    )

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from compaction_gym.compaction import _checks as C
-from compaction_gym.compaction.baselines import h2o_indices, random_indices, snapkv_indices, streaming_indices
+from compaction_gym.compaction.baselines import (
+    h2o_indices,
+    knorm_indices,
+    random_indices,
+    snapkv_indices,
+    streaming_indices,
+    tova_indices,
+)
 from compaction_gym.compaction.beta import beta_from_logits
 from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES
 from compaction_gym.compaction.scoring import attention_logits, importance, top_indices
@@ -48,18 +55,64 @@ def _select(
     span: tuple[int, int],
     target: int,
     seed: int | None,
+    query_positions: torch.Tensor | None = None,
+    n_kv_heads: int | None = None,
 ) -> torch.Tensor:
-    """Kept indices ``[B, target]`` for a scoring mode (``logits`` are ``None`` for streaming/random)."""
+    """Kept indices ``[B, target]`` for a scoring mode (``logits`` are ``None`` without queries)."""
     batch = keys.shape[0]
     if mode == "attention_matching":
         return top_indices(importance(logits, span), target, span[0])
     if mode == "h2o":
-        return h2o_indices(logits, span, target)
+        return h2o_indices(logits, span, target, query_positions=query_positions)
     if mode == "snapkv":
-        return snapkv_indices(logits, span, target)
+        return snapkv_indices(logits, span, target, query_positions=query_positions)
+    if mode == "tova":
+        return tova_indices(logits, span, target, query_positions=query_positions, layer_rows=n_kv_heads)
+    if mode == "knorm":
+        return knorm_indices(keys, span, target)
     if mode == "streaming":
         return streaming_indices(batch, span, target, keys.device)
     return random_indices(batch, span, target, seed, keys.device)
+
+
+def _check_query_positions(
+    query_positions: object, queries: torch.Tensor | None, keys: torch.Tensor
+) -> torch.Tensor | None:
+    """``None`` or int64 ``[n]`` / ``[B, n]`` cache rows ``>= 0`` of the probes, on keys' device."""
+    if query_positions is None:
+        return None
+    if queries is None:
+        raise InvalidArgumentError("query_positions needs queries (they give each probe's cache row)")
+    if (
+        not isinstance(query_positions, torch.Tensor)
+        or query_positions.is_floating_point()
+        or query_positions.is_complex()
+        or query_positions.dtype == torch.bool
+    ):
+        raise InvalidArgumentError(
+            f"query_positions must be an integer torch.Tensor [n] or [B, n], got {query_positions!r}"
+        )
+    n = queries.shape[1]
+    if query_positions.shape not in ((n,), (keys.shape[0], n)):
+        raise InvalidArgumentError(
+            f"query_positions must have shape [n={n}] or [B={keys.shape[0]}, n={n}], got {tuple(query_positions.shape)}"
+        )
+    if query_positions.device != keys.device:
+        raise InvalidArgumentError(
+            f"query_positions is on {query_positions.device} but keys is on {keys.device}"
+        )
+    if query_positions.numel() and int(query_positions.min()) < 0:
+        raise InvalidArgumentError("query_positions must be >= 0 (cache rows)")
+    return query_positions.long()
+
+
+def _check_n_kv_heads(n_kv_heads: object, batch: int) -> int | None:
+    if n_kv_heads is None:
+        return None
+    n_kv_heads = C.as_int(n_kv_heads, "n_kv_heads")
+    if n_kv_heads <= 0 or batch % n_kv_heads:
+        raise InvalidArgumentError(f"n_kv_heads must be a positive divisor of B={batch}, got {n_kv_heads}")
+    return n_kv_heads
 
 
 def compact(
@@ -76,19 +129,22 @@ def compact(
     key_bias: torch.Tensor | None = None,
     ridge: float = 1e-4,
     seed: int | None = None,
+    query_positions: torch.Tensor | None = None,
+    n_kv_heads: int | None = None,
 ) -> CompactionResult:
     """Compact cache rows ``span`` of every (layer, KV head) down to ``target`` rows.
 
     Modes: ``attention_matching`` (C1 = top-t keys by RMS attention, C2 refitted, β if
     ``compute_beta``), ``markovian`` (the span is deleted: ``t = 0``), and the selection-only
-    baselines ``h2o``, ``snapkv``, ``streaming`` and ``random`` (C2 = original values).
+    baselines ``h2o``, ``snapkv``, ``tova``, ``streaming``, ``knorm`` and ``random`` (C2 =
+    original values), defined as their papers and kvpress define them (docs/compaction.md).
     The caller writes ``[prefix | result | suffix]`` back into its cache.
 
     Args:
         keys: cache keys ``[B, T, d]`` (post-RoPE), ``B`` = layers × KV heads.
         values: cache values ``[B, T, d_v]``, same dtype and device.
-        queries: probe queries ``[B, n, d]``; may be ``None`` for ``markovian``, ``streaming``
-            and ``random``, which do not look at attention.
+        queries: probe queries ``[B, n, d]``; may be ``None`` for ``markovian``, ``streaming``,
+            ``knorm`` and ``random``, which do not look at attention.
         span: ``(start, end)`` cache rows to compact, non-empty, inside the cache.
         target: rows to keep per head, ``1 <= target <= end - start`` (ignored by markovian,
             which accepts ``0`` too).
@@ -102,6 +158,14 @@ def compact(
             Kept rows keep their old bias (returned as ``beta``) unless β is refitted.
         ridge: relative ridge strength of the C2 solve.
         seed: seed of the ``random`` baseline.
+        query_positions: cache row of each probe, int ``[n]`` or ``[B, n]`` (``>= 0``; a probe not
+            in the cache yet may be past ``T``). The attention baselines (``h2o``, ``snapkv``,
+            ``tova``) then mask keys after each probe (a causal observation window, as kvpress)
+            and ``tova`` takes the probes at the largest position as the last query. ``None``:
+            every probe sees the whole cache, and ``tova`` uses the last probe row.
+        n_kv_heads: ``H_kv`` when ``B = L × H_kv``: ``tova`` then averages the last query's
+            attention over all heads of a layer (one kept set per layer, as TOVA and kvpress).
+            ``None``: per KV head (its query group) only.
 
     Returns:
         :class:`CompactionResult` with ``keys``/``values`` in the input dtype.
@@ -131,6 +195,8 @@ def compact(
     ridge = check_ridge(ridge)
     if seed is not None:
         seed = C.as_int(seed, "seed")
+    query_positions = _check_query_positions(query_positions, queries, keys)
+    n_kv_heads = _check_n_kv_heads(n_kv_heads, keys.shape[0])
     if forced_indices is not None:
         forced_indices = C.check_indices(forced_indices, "forced_indices", keys, span)
         expected = 0 if mode == "markovian" else target
@@ -150,7 +216,9 @@ def compact(
     if mode == "attention_matching" or (forced_indices is None and mode in QUERY_MODES):
         raw, logits = attention_logits(keys, queries, scale, key_bias)
     indices = (
-        forced_indices if forced_indices is not None else _select(mode, logits, keys, span, target, seed)
+        forced_indices
+        if forced_indices is not None
+        else _select(mode, logits, keys, span, target, seed, query_positions, n_kv_heads)
     )
     kept_keys = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
     old_beta = None

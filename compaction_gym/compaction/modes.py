@@ -13,10 +13,16 @@ COMPACTION_MODES: tuple[str, ...] = (
     "snapkv",
     "streaming",
     "random",
+    "tova",
+    "knorm",
 )
 
 #: Modes whose selection reads attention from probe queries.
-QUERY_MODES: frozenset[str] = frozenset({"attention_matching", "h2o", "snapkv"})
+QUERY_MODES: frozenset[str] = frozenset({"attention_matching", "h2o", "snapkv", "tova"})
+
+#: Modes whose scores read each probe's cache row: h2o/snapkv's causal mask (a probe sees the keys
+#: up to its row, as kvpress computes them) and tova's "last query" (the probe at the largest row).
+POSITION_MODES: frozenset[str] = frozenset({"h2o", "snapkv", "tova"})
 
 #: Modes that need probes even when the kept indices are given (C2 is refitted from them).
 REFIT_MODES: frozenset[str] = frozenset({"attention_matching"})

@@ -27,7 +27,7 @@ import torch
 
 from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
-from compaction_gym.compaction.modes import QUERY_MODES, target_size
+from compaction_gym.compaction.modes import POSITION_MODES, QUERY_MODES, target_size
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -142,6 +142,7 @@ class Compactor:
         queries = None
         if cfg.mode != "markovian":  # a deletion needs no probes
             queries, probe_range, probe_seed, probe_rows = self._probes(s, keys_all, log_span, index)
+        qpos = self._probe_positions(s, probe_range, probe_rows, keys_all.device)
         timings["probes"] = time.perf_counter() - t0
         result = apply_event(
             keys_all,
@@ -156,6 +157,8 @@ class Compactor:
             ridge=cfg.ridge,
             seed=_mix(s.seed, index) if cfg.mode == "random" else None,
             compact_fn=self.compact_fn,
+            query_positions=qpos,
+            n_kv_heads=lay.n_kv_heads,
         )
         timings["compact"] = time.perf_counter() - t0 - timings["probes"]
         keys, values, beta = result.keys, result.values, result.beta
@@ -188,6 +191,31 @@ class Compactor:
         )
         s.events.append(event)
         return event
+
+    def _probe_positions(
+        self,
+        s: Session,
+        probe_range: tuple[int, int] | None,
+        probe_rows: tuple[int, int] | None,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """Each probe's cache row (h2o/snapkv's causal masks, tova's last query), in the grouped probes' order.
+
+        ``keys`` probes sit on their own rows; ``suffix`` probes on their tokens' rows, repeated for
+        the ``G`` query heads :func:`gqa_probes` concatenates. ``None`` (no mask) for ``random``
+        probes, or when a probe's token is no longer raw in the cache.
+        """
+        if s.config.mode not in POSITION_MODES:
+            return None
+        if probe_rows is not None and s.config.queries == "keys":
+            return torch.arange(*probe_rows, device=device)
+        if probe_range is None or s.config.queries != "suffix":
+            return None
+        rows = [s.row_map.row_of(p) for p in range(*probe_range)]
+        if any(r is None for r in rows):
+            return None
+        group = self.layout.n_q_heads // self.layout.n_kv_heads
+        return torch.tensor(rows, device=device).repeat(group)
 
     def _probes(
         self, s: Session, keys: torch.Tensor, log_span: tuple[int, int], index: int

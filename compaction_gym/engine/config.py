@@ -5,14 +5,16 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any
 
 from compaction_gym.compaction.modes import COMPACTION_MODES as _COMPACT_MODES
 from compaction_gym.compaction.modes import PROBE_SOURCES
 from compaction_gym.errors import InvalidArgumentError
 
-CompactionMode = Literal["none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random"]
-ProbeSource = Literal["suffix", "keys", "random"]
+#: a compaction mode name: one of :data:`COMPACTION_MODES` (checked at construction)
+CompactionMode = str
+#: a probe source name: one of :data:`PROBE_SOURCES`
+ProbeSource = str
 
 #: :func:`~compaction_gym.compaction.compact`'s modes, and ``none`` (sessions never compact).
 COMPACTION_MODES: tuple[str, ...] = ("none", *_COMPACT_MODES)

@@ -11,6 +11,9 @@ from scipy.optimize import nnls as scipy_nnls
 
 from compaction_gym.compaction import fit_beta, nnls, select_keys
 
+#: The unregularised span-mass NNLS (no box, no ridge, no probe guard): what the solver tests check.
+UNREG = dict(bounds=None, ridge=0.0, min_probes_per_key=0.0)
+
 
 def _max_rel(a, b) -> float:
     return float(((a - b).abs() / b.abs()).max())
@@ -33,7 +36,7 @@ FEASIBLE = [
 def test_beta_matches_span_mass(seed, batch, length, d, n, span, target, dtype):
     keys, _, queries = make_cache(seed, batch, length, d, n, dtype=dtype)
     idx = select_keys(keys, queries, span, target)
-    beta = fit_beta(keys, queries, span, idx)
+    beta = fit_beta(keys, queries, span, idx, **UNREG)
     assert beta.dtype == (F64 if dtype == F64 else torch.float32)
     assert beta.shape == (batch, target)
     err = _max_rel(kept_mass(keys, queries, idx, beta), span_mass(keys, queries, span))
@@ -44,7 +47,7 @@ def test_beta_with_one_probe_and_one_key_is_log_mass_ratio():
     keys, _, queries = make_cache(5, 3, 20, 8, 1)
     span = (4, 12)
     idx = torch.tensor([[6], [4], [11]])
-    beta = fit_beta(keys, queries, span, idx)
+    beta = fit_beta(keys, queries, span, idx, **UNREG)
     s = logits(keys, queries)[:, 0]
     want = torch.logsumexp(s[:, 4:12], dim=-1) - s[torch.arange(3), idx[:, 0]]
     torch.testing.assert_close(beta[:, 0], want, rtol=0, atol=1e-10)
@@ -65,7 +68,7 @@ def test_beta_is_absolute_over_existing_key_bias():
     bias[:, 10:30] = torch.rand(4, 20, generator=torch.Generator().manual_seed(1), dtype=F64) * 4 - 2
     span = (8, 40)
     idx = select_keys(keys, queries, span, 24, key_bias=bias)
-    beta = fit_beta(keys, queries, span, idx, key_bias=bias)
+    beta = fit_beta(keys, queries, span, idx, key_bias=bias, **UNREG)
     # the new β replaces the old bias on kept rows: kept mass uses β alone
     assert _max_rel(kept_mass(keys, queries, idx, beta), span_mass(keys, queries, span, key_bias=bias)) < 1e-9
 
@@ -79,14 +82,14 @@ def _crafted(key_rows):
 def test_beta_zero_weight_clamps_to_minus_30():
     # columns a=(1,1), b=(1,e^-3), c with b + c = 2a: the span mass is exactly 3a, so w = (3, 0)
     keys, queries = _crafted([[0.0, 0.0], [0.0, -3.0], [0.0, math.log(2 - math.exp(-3))]])
-    beta = fit_beta(keys, queries, (0, 3), torch.tensor([[0, 1]]), scale=1.0)
+    beta = fit_beta(keys, queries, (0, 3), torch.tensor([[0, 1]]), scale=1.0, **UNREG)
     torch.testing.assert_close(beta, torch.tensor([[math.log(3), -30.0]], dtype=F64), rtol=0, atol=1e-9)
 
 
 def test_beta_large_weight_clamps_to_plus_30():
     # keeping only a key 100 logits below the other needs β = 100, clamped to 30
     keys, queries = _crafted([[0.0, 0.0], [-100.0, -100.0]])
-    beta = fit_beta(keys, queries, (0, 2), torch.tensor([[1]]), scale=1.0)
+    beta = fit_beta(keys, queries, (0, 2), torch.tensor([[1]]), scale=1.0, **UNREG)
     assert beta.tolist() == [[30.0]]
 
 
@@ -134,7 +137,7 @@ def test_beta_rank_deficient_probes_near_optimal():
         batch, 2, d, generator=g, dtype=F64
     )
     idx = select_keys(keys, queries, span, t)
-    beta = fit_beta(keys, queries, span, idx)
+    beta = fit_beta(keys, queries, span, idx, **UNREG)
     s = logits(keys, queries)[:, :, span[0] : span[1]]
     probs = torch.exp(s) / torch.exp(s).sum(-1, keepdim=True)  # relative-error rows, target 1
     a = torch.stack([probs[b][:, idx[b] - span[0]] for b in range(batch)])

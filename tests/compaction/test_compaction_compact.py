@@ -16,7 +16,7 @@ from compaction_gym.compaction import (
     select_keys,
 )
 
-SELECTION = ("h2o", "snapkv", "streaming", "random")
+SELECTION = ("h2o", "snapkv", "streaming", "random", "tova", "knorm")
 SPANS = [(0, 16), (12, 36), (24, 48)]  # start, middle, end of a 48-row cache
 
 

@@ -50,6 +50,13 @@ COMPACT_CASES = [
     ("ridge", dict(ridge=-1e-3)),
     ("ridge", dict(ridge="big")),
     ("seed", dict(mode="random", seed="abc")),
+    ("query_positions", dict(mode="h2o", query_positions=torch.arange(N - 1))),
+    ("query_positions", dict(mode="snapkv", query_positions=torch.zeros(N))),
+    ("query_positions", dict(mode="tova", query_positions=-torch.ones(N, dtype=torch.long))),
+    ("query_positions", dict(mode="knorm", queries=None, query_positions=torch.arange(N))),
+    ("n_kv_heads", dict(mode="tova", n_kv_heads=3)),
+    ("n_kv_heads", dict(mode="tova", n_kv_heads=0)),
+    ("queries", dict(mode="tova", queries=None)),
 ]
 
 
@@ -77,6 +84,10 @@ OTHER_CASES = [
     ("beta", lambda: fit_values(K, V, Q, (4, 16), IDX, beta=torch.zeros(B, 3, dtype=torch.long))),
     ("ridge", lambda: fit_values(K, V, Q, (4, 16), IDX, ridge=float("inf"))),
     ("values", lambda: fit_values(K, V.half(), Q, (4, 16), IDX)),
+    ("bounds", lambda: fit_beta(K, Q, (4, 16), IDX, bounds=(0.5, 2.0))),
+    ("bounds", lambda: fit_beta(K, Q, (4, 16), IDX, bounds=(-1.0,))),
+    ("ridge", lambda: fit_beta(K, Q, (4, 16), IDX, ridge=-1.0)),
+    ("min_probes_per_key", lambda: fit_beta(K, Q, (4, 16), IDX, min_probes_per_key=float("nan"))),
     ("queries", lambda: gqa_probes(torch.randn(2, 4, 8), 2)),
     ("n_kv_heads", lambda: gqa_probes(torch.randn(2, 6, 3, 8), 4)),
     ("n_kv_heads", lambda: gqa_probes(torch.randn(2, 6, 3, 8), 0)),
@@ -105,3 +116,7 @@ def test_nnls_rejects_mismatched_system():
         nnls(torch.eye(3)[None], torch.ones(1, 3, dtype=torch.float64))
     with pytest.raises(InvalidArgumentError, match=r"^max_iter\b"):
         nnls(torch.eye(3)[None], torch.ones(1, 3), max_iter=-1)
+    with pytest.raises(InvalidArgumentError, match=r"^lower\b"):
+        nnls(torch.eye(3)[None], torch.ones(1, 3), lower=-1.0)
+    with pytest.raises(InvalidArgumentError, match=r"^upper\b"):
+        nnls(torch.eye(3)[None], torch.ones(1, 3), lower=1.0, upper=0.5)

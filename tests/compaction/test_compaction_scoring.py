@@ -85,11 +85,11 @@ def test_snapkv_pools_votes_over_neighbours(span, target):
     keys, values, queries = make_cache(4, 3, 40, 8, 12)
     votes = _softmax_rows(logits(keys, queries))[:, :, span[0] : span[1]].sum(1)
     length = span[1] - span[0]
-    radius = 2  # SnapKV's 5-wide window, clipped to the span
+    radius = 2  # SnapKV's 5-wide window; zero padding at the span's edges counts (kvpress)
     pooled = torch.zeros_like(votes)
     for j in range(length):
         lo, hi = max(0, j - radius), min(length, j + radius + 1)
-        pooled[:, j] = votes[:, lo:hi].mean(-1)
+        pooled[:, j] = votes[:, lo:hi].sum(-1) / (2 * radius + 1)
     res = compact(keys, values, queries, span, target, mode="snapkv")
     assert torch.equal(res.indices, brute_top(pooled, target, span[0]))
 
@@ -97,8 +97,9 @@ def test_snapkv_pools_votes_over_neighbours(span, target):
 @pytest.mark.parametrize(
     ("span", "target", "want"),
     [
-        ((10, 30), 1, [29]),
-        ((10, 30), 3, [10, 28, 29]),
+        ((10, 30), 1, [10]),  # kvpress: sinks first (min(4, t) of them), then the most recent rows
+        ((10, 30), 3, [10, 11, 12]),
+        ((10, 30), 5, [10, 11, 12, 13, 29]),
         ((10, 30), 12, [10, 11, 12, 13, *range(22, 30)]),
         ((0, 6), 6, list(range(6))),
     ],

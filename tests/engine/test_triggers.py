@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_helpers import load_reference_model, make_prompt, reference_logprobs_over_cache
 
-from compaction_gym.engine import CompactionConfig, SamplingParams
+from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 from compaction_gym.engine.config import DEFAULT_BUDGET_TEMPLATE
 
 P, OBS, RESP = 10, 4, 6  # prompt, observation and response lengths
@@ -136,3 +136,36 @@ def test_turn_based_budget_message_follows_the_response(engine, tiny_tokenizer):
     assert r.kv_len == P + 1 + (b - a)  # the response's last token and the message were fed
     r2 = engine.step(r.session_id, make_prompt(OBS, seed=78))
     assert len(r2.token_ids) >= RESP and r2.completion_mask[:RESP] == [1] * RESP
+
+
+@pytest.mark.parametrize(("mode", "queries"), [("h2o", "suffix"), ("snapkv", "suffix"), ("h2o", "keys"), ("tova", "suffix")])
+def test_compactor_gives_compact_each_probes_cache_row(tiny_model_path, mode, queries):
+    """h2o/snapkv score with kvpress's causal mask, so the engine passes every probe's cache row
+    (suffix probes: their tokens' rows, once per query head of the group; key probes: their own
+    rows); tova gets the KV-head count to average over a layer's heads."""
+    from compaction_gym.compaction import compact
+
+    seen: list[dict] = []
+
+    def recording(*args, **kwargs):
+        seen.append({"queries": args[2], **kwargs})
+        return compact(*args, **kwargs)
+
+    eng = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cpu", max_slots=1, capacity=256)
+    eng.compactor.compact_fn = recording
+    cfg = CompactionConfig(mode=mode, max_kv_len=64, compact_window=32, n_probe_queries=8, queries=queries)
+    r = eng.create_session(list(range(30, 46)), cfg, SamplingParams(temperature=0.0, max_new_tokens=110, ignore_eos=True))
+    assert len(r.events) == len(seen) >= 2
+    group = eng.layout.n_q_heads // eng.layout.n_kv_heads
+    for event, call in zip(r.events, seen, strict=True):
+        assert call["n_kv_heads"] == eng.layout.n_kv_heads
+        qpos = call["query_positions"]
+        if queries == "keys":
+            lo, hi = event.probe_rows
+            assert qpos.tolist() == list(range(lo, hi))
+        else:  # the newest n positions are the last raw rows before the event
+            a, b = event.probe_logical_range
+            rows = list(range(event.kv_len_before - (b - a), event.kv_len_before))
+            assert qpos.tolist() == rows * group
+        assert call["queries"].shape[1] == qpos.numel()
+        assert int(qpos.min()) >= event.span[1]  # probes come after the span they score

@@ -11,9 +11,11 @@ all layers × KV heads at once, without materialising the probe × key logits:
    by tile and sums ``exp(2 (S − lse_all))`` over the probes: RMS attention up to a constant, so
    the top-t set is the same;
 3. the kept keys' logits ``S_sel`` (a ``[B, n, t]`` product) give the β design
-   ``A = exp(S_sel − lse_span)`` and C2's design ``softmax(S_sel + β)``. β's NNLS runs on the Gram
-   matrix ``AᵀA`` (one batched product, bf16 operands for half-precision caches) by a fixed
-   number of FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
+   ``A = exp(S_sel − lse_span)`` and C2's design ``softmax(S_sel + β)``. β's fit is the package's
+   (same box ``w ∈ [e⁻³, e³]``, ridge toward ``w = 1``, probe guard and ``w = 1`` safeguard,
+   :func:`~compaction_gym.compaction.beta.beta_weights`), solved on the Gram matrix ``AᵀA`` (one
+   batched product, bf16 operands for half-precision caches) by a fixed number of box-projected
+   FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
    factorisation, no host sync); C2 solves the package's ridge normal equations by a batched
    Cholesky factor and two triangular solves, also without a host sync: a problem that does not
    factor (never seen with the ridge floor) keeps its selected rows' values instead of the
@@ -26,10 +28,19 @@ Triton go to :func:`~compaction_gym.compaction.compact` itself.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from compaction_gym.compaction import CompactionResult, compact
-from compaction_gym.compaction.beta import BETA_CLAMP
+from compaction_gym.compaction.beta import (
+    BETA_BOUNDS,
+    BETA_CLAMP,
+    BETA_MIN_PROBES_PER_KEY,
+    BETA_RIDGE,
+    keep_if_better,
+    regularised_system,
+)
 from compaction_gym.compaction.values import cholesky_solve_ex, ridge_system
 from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
@@ -202,6 +213,25 @@ def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return design.mT @ design, design.sum(1)
 
 
+def fast_beta_weights(biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS) -> torch.Tensor:
+    """β's relative weights ``w [B, t]`` (float32) from the kept keys' biased logits ``[B, n, t]`` and the
+    probes' span log-sum-exp ``[B, n]``: the package's regularised fit
+    (:func:`~compaction_gym.compaction.beta.beta_weights`) solved by box-projected FISTA, no host sync.
+
+    ``half``: the cache is bf16/fp16 (bf16 design operands, fp16 Gram storage in the kernel).
+    """
+    batch, n, t = biased.shape
+    if n < BETA_MIN_PROBES_PER_KEY * t:  # probe guard: keep the old bias
+        return torch.ones(batch, t, dtype=torch.float32, device=biased.device)
+    design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
+    gram, rhs = regularised_system(*_gram(design.to(torch.bfloat16) if half else design), BETA_RIDGE)
+    w = nnls_fista(
+        gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
+        lower=math.exp(BETA_BOUNDS[0]), upper=math.exp(BETA_BOUNDS[1]),
+    )  # fmt: skip
+    return keep_if_better(w, gram, rhs)
+
+
 def compact_fast(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -217,17 +247,20 @@ def compact_fast(
     seed: int | None = None,
     forced_indices: torch.Tensor | None = None,
     beta_iters: int = FISTA_ITERS,
+    query_positions: torch.Tensor | None = None,
+    n_kv_heads: int | None = None,
 ) -> CompactionResult:
     """:func:`~compaction_gym.compaction.compact` with the fused GPU path for Attention Matching.
 
-    Same arguments and result. Runs the fused kernels when ``mode="attention_matching"``, the
+    Same arguments and result (``query_positions`` and ``n_kv_heads`` only matter to the
+    selection baselines, which go to ``compact``). Runs the fused kernels when ``mode="attention_matching"``, the
     tensors are on a CUDA device with Triton available, no ``forced_indices`` are given and the
     head dim is a power of two ≥ 16; everything else is delegated to ``compact`` (which also
     validates arguments: the fast path assumes the engine's already-valid inputs).
 
-    β's NNLS is ``beta_iters`` FISTA iterations (:func:`~compaction_gym.engine.fast.nnls.nnls_fista`)
-    instead of the package's projected Newton to convergence: the span-mass objective agrees to
-    ~0.1 % at the default 128 iterations.
+    β's box-constrained fit is ``beta_iters`` FISTA iterations
+    (:func:`~compaction_gym.engine.fast.nnls.nnls_fista`) instead of the package's projected Newton
+    to convergence: the span-mass objective agrees to ~0.1 % at the default 128 iterations.
     """
     d = keys.shape[-1] if isinstance(keys, torch.Tensor) and keys.dim() == 3 else 0
     fast = (
@@ -243,7 +276,8 @@ def compact_fast(
     if not fast:
         return compact(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, forced_indices=forced_indices,
-            scale=scale, key_bias=key_bias, ridge=ridge, seed=seed,
+            scale=scale, key_bias=key_bias, ridge=ridge, seed=seed, query_positions=query_positions,
+            n_kv_heads=n_kv_heads,
         )  # fmt: skip
     start, end = span
     scale = scale if scale is not None else d**-0.5
@@ -255,10 +289,7 @@ def compact_fast(
     biased = raw + old_beta[:, None, :] if old_beta is not None else raw
     beta = None
     if compute_beta:
-        design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
-        half = keys.dtype != torch.float32
-        gram, rhs = _gram(design.to(torch.bfloat16) if half else design)  # AᵀA, Aᵀ1
-        w = nnls_fista(gram, rhs, beta_iters, g_dtype=torch.float16 if half else torch.float32)
+        w = fast_beta_weights(biased, lse_span, half=keys.dtype != torch.float32, iters=beta_iters)
         beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
         if old_beta is not None:
             beta = beta + old_beta

@@ -1,7 +1,8 @@
 """Batched non-negative least squares by accelerated projected gradient (FISTA), on the GPU.
 
-β's span-mass fit solves ``min_w ½ wᵀGw − hᵀw`` s.t. ``w ≥ 0`` for every layer × KV head, with
-``G = AᵀA`` the Gram matrix of the design. The package's solver
+β's span-mass fit solves ``min_w ½ wᵀGw − hᵀw`` s.t. ``lower ≤ w ≤ upper`` for every layer × KV
+head, with ``G`` the (ridge-regularised) Gram matrix of the design (docs/compaction.md, "β bounds
+and fallback"). The package's solver
 (:func:`compaction_gym.compaction.beta.nnls`) is a projected Newton method: each step is a batched
 Cholesky of ``[B, t, t]``, which on a GPU costs milliseconds at ``t = 256``. Here instead:
 
@@ -10,9 +11,10 @@ Cholesky of ``[B, t, t]``, which on a GPU costs milliseconds at ``t = 256``. Her
    vector give ``x > 0``, and since ``Ĝ ≥ 0`` elementwise (A is a matrix of probabilities) the
    Collatz–Wielandt bound ``λ_max ≤ max_i (Ĝx)_i / x_i`` holds for any positive ``x``; it is
    tight after a few iterations (capped by ``trace Ĝ``, also a bound);
-3. warm start at the best uniform ``w = c·1`` (``c = 1ᵀh / 1ᵀG1``);
+3. warm start at the best uniform ``w = c·1`` (``c = 1ᵀh / 1ᵀG1``), projected onto the box;
 4. a fixed number of FISTA iterations (Beck & Teboulle 2009) with gradient-based adaptive restart
-   (O'Donoghue & Candès 2015): no host synchronisation, one matrix-vector product each.
+   (O'Donoghue & Candès 2015), each projected onto the box (``lower/D ≤ u ≤ upper/D`` in scaled
+   units): no host synchronisation, one matrix-vector product each.
 
 :func:`nnls_fista` runs one Triton program per problem: ``Ĝ`` (float16 for half-precision
 callers: its entries lie in ``[0, 1]``; zero-padded to a power of two so every load is an
@@ -56,7 +58,7 @@ if HAS_TRITON:
         return tl.sum(acc, axis=0)
 
     @triton.jit(do_not_specialize=["t", "iters", "power_iters"])
-    def _fista_kernel(G, H, ONE, U, BUF, t, iters, power_iters, T: tl.constexpr, BLOCK: tl.constexpr):
+    def _fista_kernel(G, H, ONE, U, BUF, t, iters, power_iters, lower, upper, T: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, T)
         valid = offs < t
@@ -83,13 +85,15 @@ if HAS_TRITON:
         gone = _matvec(g_base, buf + (ctr % 2) * T, one, offs, T, BLOCK)
         ctr += 1
         c = tl.sum(h * one, axis=0) / tl.maximum(tl.sum(one * gone, axis=0), tiny)
-        u = c * one
+        lo = tl.where(valid, lower * one, 0.0)  # the box in scaled units (zero on padding, where
+        hi = tl.where(valid, upper * one, 0.0)  # one = 0 and inf · 0 would be NaN)
+        u = tl.minimum(tl.maximum(c * one, lo), hi)
         y = u
         tk = tl.sum(tl.zeros([1], tl.float32), axis=0) + 1.0
         for _ in range(iters):
             grad = _matvec(g_base, buf + (ctr % 2) * T, y, offs, T, BLOCK) - h
             ctr += 1
-            un = tl.maximum(y - grad * inv_l, 0.0)
+            un = tl.minimum(tl.maximum(y - grad * inv_l, lo), hi)
             tn = (1.0 + tl.sqrt(1.0 + 4.0 * tk * tk)) * 0.5
             mom = (tk - 1.0) / tn
             restart = tl.sum((y - un) * (un - u), axis=0) > 0.0
@@ -112,9 +116,9 @@ def _scaled(gram: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def nnls_fista_torch(
     gram: torch.Tensor, rhs: torch.Tensor, iters: int = FISTA_ITERS, power_iters: int = POWER_ITERS,
-    g_dtype: torch.dtype | None = None,
+    g_dtype: torch.dtype | None = None, lower: float = 0.0, upper: float = float("inf"),
 ) -> torch.Tensor:  # fmt: skip
-    """The iteration of :func:`nnls_fista` as a torch loop (any device); ``w ≥ 0`` ``[B, t]``."""
+    """The iteration of :func:`nnls_fista` as a torch loop (any device); ``w`` ``[B, t]`` in the box."""
     gs, hs, d, one = _scaled(gram.float(), rhs.float())
     if g_dtype is not None:
         gs = gs.to(g_dtype).float()
@@ -131,10 +135,11 @@ def nnls_fista_torch(
     lip = (mv(x) / x).amax(-1)
     lip = torch.minimum(lip, torch.diagonal(gs, dim1=-2, dim2=-1).sum(-1)).clamp_min(tiny)
     c = (hs * one).sum(-1) / (one * mv(one)).sum(-1).clamp_min(tiny)
-    u = c[:, None] * one
+    lo, hi = lower * one, upper * one
+    u = torch.minimum(torch.maximum(c[:, None] * one, lo), hi)
     y, tk = u, torch.ones_like(c)
     for _ in range(iters):
-        un = (y - (mv(y) - hs) / lip[:, None]).clamp_min(0)
+        un = torch.minimum(torch.maximum(y - (mv(y) - hs) / lip[:, None], lo), hi)
         tn = (1 + torch.sqrt(1 + 4 * tk * tk)) / 2
         mom = (tk - 1) / tn
         restart = ((y - un) * (un - u)).sum(-1) > 0
@@ -147,9 +152,10 @@ def nnls_fista_torch(
 
 def nnls_fista(
     gram: torch.Tensor, rhs: torch.Tensor, iters: int = FISTA_ITERS, power_iters: int = POWER_ITERS,
-    *, g_dtype: torch.dtype | None = None,
+    *, g_dtype: torch.dtype | None = None, lower: float = 0.0, upper: float = float("inf"),
 ) -> torch.Tensor:  # fmt: skip
-    """``argmin_{w ≥ 0} ½ wᵀGw − hᵀw`` for ``G [B, t, t]`` (a Gram matrix of a non-negative design), ``h [B, t]``.
+    """``argmin_{lower ≤ w ≤ upper} ½ wᵀGw − hᵀw`` for ``G [B, t, t]`` (a Gram matrix of a non-negative
+    design, possibly plus a ridge), ``h [B, t]``.
 
     A fixed number of FISTA iterations on the Jacobi-scaled problem (module docstring): no host
     synchronisation, no factorisation.
@@ -158,13 +164,14 @@ def nnls_fista(
         gram, rhs: float32 ``G`` and ``h``.
         iters, power_iters: FISTA and power iterations.
         g_dtype: storage dtype of ``Ĝ`` in the kernel (float16 halves its bytes; default float32).
+        lower, upper: the box (``0 ≤ lower ≤ upper``, ``inf`` for none).
 
     Returns:
-        ``w ≥ 0`` ``[B, t]`` float32.
+        ``w`` ``[B, t]`` float32 in the box.
     """
     batch, t = rhs.shape
     if not (use_triton(gram) and 0 < t <= MAX_KERNEL_T):
-        return nnls_fista_torch(gram, rhs, iters, power_iters, g_dtype)
+        return nnls_fista_torch(gram, rhs, iters, power_iters, g_dtype, lower, upper)
     gs, hs, d, one = _scaled(gram.float(), rhs.float())
     T = max(16, triton.next_power_of_2(t))
     g_pad = gs.to(g_dtype or torch.float32)
@@ -178,6 +185,6 @@ def nnls_fista(
     buf = torch.empty(batch, 2, T, dtype=torch.float32, device=gram.device)
     _fista_kernel[(batch,)](
         g_pad.contiguous(), h_pad.contiguous(), one_pad.contiguous(), u, buf, t, iters, power_iters,
-        T=T, BLOCK=max(1, min(T, 4096 // T)), num_warps=4,
+        float(lower), float(upper), T=T, BLOCK=max(1, min(T, 4096 // T)), num_warps=4,
     )  # fmt: skip
     return u[:, :t] * d

@@ -30,7 +30,7 @@ from compaction_gym.cli_args import (
 
 #: ``CompactionConfig``'s modes, spelled out so that building the parser imports no engine (a test
 #: checks they match ``compaction_gym.engine.config.COMPACTION_MODES``).
-COMPACTION_MODES = ("none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random")
+COMPACTION_MODES = ("none", "attention_matching", "markovian", "h2o", "snapkv", "streaming", "random", "tova", "knorm")
 
 
 @dataclass
