@@ -253,6 +253,7 @@ def test_compacted_session_stays_in_budget_and_matches_a_reference(engine, smoll
 
 
 @needs_gguf
+@pytest.mark.slow
 def test_registered_name_resolves_to_the_cached_folder(smollm2_dir, monkeypatch):
     from compaction_gym.agents.models import resolve_model
 
