@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from compaction_gym.errors import InvalidArgumentError
@@ -61,7 +61,8 @@ def load_gguf(gguf: Path):
 
 
 def save_folder(model, tokenizer, out: Path) -> None:
-    """Write a GGUF-loaded ``model`` and ``tokenizer`` as a ``from_pretrained``-loadable folder ``out``.
+    """Write a GGUF-loaded ``model`` and ``tokenizer`` as a ``from_pretrained``-loadable folder ``out``
+    (created if needed).
 
     The GGUF-loaded model carries a GGUF ``quantization_config`` that makes it refuse
     ``save_pretrained``; its weights are plain float32 tensors, so they are written directly
@@ -80,7 +81,7 @@ def save_folder(model, tokenizer, out: Path) -> None:
         for key, value in model.state_dict().items()
         if not (tied and key == "lm_head.weight")
     }
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     fields = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
@@ -122,15 +123,16 @@ def resolve_smollm2() -> str:
         return str(path)
     gguf = gguf_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{path.name}.tmp", dir=path.parent))  # unique per caller
     try:
         convert_gguf(gguf, tmp)
         try:
             tmp.rename(path)
-        except OSError:  # a concurrent converter renamed first
+        except OSError as exc:  # a concurrent converter renamed first, or a broken leftover
             if not (path / "config.json").is_file():
-                raise
+                raise InvalidArgumentError(
+                    f"{path} exists without config.json (an interrupted copy?); delete it and retry"
+                ) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(path)

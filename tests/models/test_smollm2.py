@@ -106,7 +106,6 @@ def test_concurrent_first_use_keeps_the_winner(monkeypatch, tmp_path):
     final = tmp_path / "models" / SMOLLM2_NAME
 
     def convert(gguf, out):
-        out.mkdir(parents=True)
         (out / "config.json").write_text('{"who": "loser"}')
         final.mkdir(parents=True)  # the other process finishes first
         (final / "config.json").write_text('{"who": "winner"}')
@@ -122,13 +121,25 @@ def test_failed_conversion_leaves_no_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / GGUF_FILE)
 
     def convert(gguf, out):
-        out.mkdir(parents=True)
+        (out / "model.safetensors").write_text("partial")
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(smollm2, "convert_gguf", convert)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_smollm2()
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_broken_leftover_folder_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("COMPACTION_GYM_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / GGUF_FILE)
+    monkeypatch.setattr(smollm2, "convert_gguf", lambda gguf, out: (out / "config.json").write_text("{}"))
+    leftover = tmp_path / "models" / SMOLLM2_NAME
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_text("partial")
+    with pytest.raises(InvalidArgumentError, match="exists without config.json"):
+        resolve_smollm2()
+    assert sorted(p.name for p in leftover.parent.iterdir()) == [SMOLLM2_NAME]
 
 
 # ---------------------------------------------------------------- the real model (slow)
