@@ -16,6 +16,11 @@ ProbeSource = Literal["suffix", "keys", "random"]
 COMPACTION_MODES: tuple[str, ...] = ("none", *_COMPACT_MODES)
 PROBE_SOURCES: tuple[str, ...] = ("suffix", "keys", "random")
 DEFAULT_BUDGET_TEMPLATE = "Budget: {used}/{total} tokens generated. ~{remaining} tokens remaining."
+#: The engine's budget-message framing when a session gives none and the tokenizer speaks ChatML:
+#: a user turn, then the assistant's generation prompt.
+DEFAULT_BUDGET_FRAME = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+#: ... and when the tokenizer has no chat template or no ``<|im_start|>``: blank lines around it.
+PLAIN_BUDGET_FRAME = ("\n\n", "\n\n")
 
 
 class _DictMixin:
@@ -110,6 +115,11 @@ class CompactionConfig(_DictMixin):
         ridge: relative ridge strength of the C2 solve.
         inject_budget_message: after each compaction event, prefill the budget message.
         budget_message_template: formatted with ``used``, ``total`` and ``remaining``.
+        budget_message_frame: ``(prefix, suffix)`` text placed around the budget message before it
+            is tokenized (as one text): how the caller's chat template frames a user turn and the
+            generation prompt. ``CompactionAgent`` sets it from its chat template. ``None``: the
+            engine's default, :data:`DEFAULT_BUDGET_FRAME` (ChatML) when the tokenizer has a chat
+            template and ``<|im_start|>``, else blank lines around the message.
     """
 
     mode: CompactionMode = field(
@@ -153,8 +163,26 @@ class CompactionConfig(_DictMixin):
         default=DEFAULT_BUDGET_TEMPLATE,
         metadata={"help": "budget message, formatted with {used}, {total} and {remaining}"},
     )
+    budget_message_frame: tuple[str, str] | None = field(
+        default=None,
+        metadata={
+            "help": "PREFIX SUFFIX text around the budget message (the chat template's user turn and "
+            "generation prompt; agents set it from their template); unset: ChatML when the tokenizer "
+            "has <|im_start|>, else blank lines"
+        },
+    )
 
     def __post_init__(self) -> None:
+        frame = self.budget_message_frame
+        if frame is not None:
+            if isinstance(frame, (str, bytes)) or not hasattr(frame, "__iter__"):
+                frame = (frame,)
+            frame = tuple(frame)
+            if len(frame) != 2 or not all(isinstance(x, str) for x in frame):
+                raise InvalidArgumentError(
+                    f"budget_message_frame must be a (prefix, suffix) pair of strings or None, got {self.budget_message_frame!r}"
+                )
+            object.__setattr__(self, "budget_message_frame", frame)
         if self.mode not in COMPACTION_MODES:
             raise InvalidArgumentError(f"mode must be one of {COMPACTION_MODES}, got {self.mode!r}")
         if self.queries not in PROBE_SOURCES:

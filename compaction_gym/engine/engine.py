@@ -12,7 +12,12 @@ import torch
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.engine.attention import register_attention
 from compaction_gym.engine.compactor import Compactor
-from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.config import (
+    DEFAULT_BUDGET_FRAME,
+    PLAIN_BUDGET_FRAME,
+    CompactionConfig,
+    SamplingParams,
+)
 from compaction_gym.engine.model_runner import ModelLayout, ModelRunner
 from compaction_gym.engine.scheduler import Scheduler, Work
 from compaction_gym.engine.session import Session, SessionView
@@ -79,6 +84,8 @@ class Engine:
             raise InvalidArgumentError(f"capacity must be >= 1, got {capacity}")
         self.max_slots, self.capacity = max_slots, capacity
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        #: how budget messages are framed for sessions whose config gives no ``budget_message_frame``
+        self.default_budget_frame = default_budget_frame(tokenizer)
         self.cache = SlotKVCache(
             layout.n_layers, layout.n_kv_heads, layout.head_dim, max_slots, capacity, self.dtype, self.device,
             v_head_dim=layout.v_head_dim,
@@ -389,17 +396,14 @@ class Engine:
         )
 
     def _budget_message(self, s: Session) -> list[int]:
-        """Token ids of the budget message, framed as a ChatML user turn when the tokenizer has one."""
+        """Token ids of the budget message, framed by the session's ``budget_message_frame`` (the
+        caller's chat template) or the engine's default (:func:`default_budget_frame`)."""
         total = s.config.max_total_tokens
         text = s.config.budget_message_template.format(
             used=s.generated, total=total, remaining=max(0, total - s.generated)
         )
-        tok = self.tokenizer
-        if tok.chat_template and "<|im_start|>" in tok.get_vocab():
-            text = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            text = f"\n\n{text}\n\n"
-        return tok.encode(text, add_special_tokens=False)
+        prefix, suffix = s.config.budget_message_frame or self.default_budget_frame
+        return self.tokenizer.encode(prefix + text + suffix, add_special_tokens=False)
 
     def __repr__(self) -> str:
         return (
@@ -436,3 +440,12 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
             continue
         ids.update([src] if isinstance(src, int) else list(src))
     return tuple(sorted(ids))
+
+
+def default_budget_frame(tokenizer) -> tuple[str, str]:
+    """The budget-message framing for sessions that give none: :data:`DEFAULT_BUDGET_FRAME`
+    (a ChatML user turn and generation prompt) when the tokenizer has a chat template and
+    ``<|im_start|>``, else :data:`PLAIN_BUDGET_FRAME` (blank lines)."""
+    if tokenizer is not None and tokenizer.chat_template and "<|im_start|>" in tokenizer.get_vocab():
+        return DEFAULT_BUDGET_FRAME
+    return PLAIN_BUDGET_FRAME

@@ -29,6 +29,8 @@ def config_fields(config: CompactionConfig | None) -> dict[str, Any]:
     if config is None:
         return {}
     out = {name: getattr(config, name) for name in COMPACTION_FIELDS}
+    if out["budget_message_frame"] is not None:
+        out["budget_message_frame"] = list(out["budget_message_frame"])  # a JSON array
     out["compaction_mode"] = config.mode
     return out
 

@@ -40,6 +40,7 @@ COMPACTION_FIELDS = (
     "ridge",
     "inject_budget_message",
     "budget_message_template",
+    "budget_message_frame",
 )
 
 
@@ -104,6 +105,13 @@ class CompactionFields(_Request):
     ridge: float = Field(_CC.ridge, ge=0)
     inject_budget_message: bool = _CC.inject_budget_message
     budget_message_template: str = Field(_CC.budget_message_template, max_length=4096)
+    budget_message_frame: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="[prefix, suffix] text around the budget message (the client's chat template); "
+        "null: the engine's default (ChatML when the tokenizer has <|im_start|>)",
+    )
 
     def compaction_config(self) -> CompactionConfig | None:
         """``CompactionConfig`` from the set fields, or ``None`` when none was set (engine default).
