@@ -24,6 +24,9 @@ from compaction_gym.errors import InvalidArgumentError
         ({"mode": "none", "max_kv_len": 64}, "mode='none'"),
         ({"mode": "markovian", "compute_beta": True}, "compute_beta"),
         ({"mode": "attention_matching", "inject_budget_message": True, "budget_message_template": "{oops}"}, "budget_message_template"),
+        ({"budget_message_frame": ("only a prefix",)}, "budget_message_frame"),
+        ({"budget_message_frame": "ab"}, "budget_message_frame"),
+        ({"budget_message_frame": ("a", 2)}, "budget_message_frame"),
     ],
 )
 def test_compaction_config_rejects(kwargs, field):
@@ -63,3 +66,9 @@ def test_sampling_rejects(kwargs, field):
 def test_sampling_normalises_stop_ids():
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_budget_message_frame_round_trips_as_a_tuple():
+    cfg = CompactionConfig(budget_message_frame=["<u>", "</u><a>"])  # e.g. read back from JSON
+    assert cfg.budget_message_frame == ("<u>", "</u><a>")
+    assert CompactionConfig.from_dict(cfg.to_dict()) == cfg

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,10 @@ class CompactionAgent:
     Args:
         backend: any :class:`~compaction_gym.backends.Backend` (e.g. :class:`~compaction_gym.backends.LocalBackend`).
         tokenizer: the model's tokenizer (default: ``backend.tokenizer``).
-        compaction: the session's :class:`CompactionConfig` (default: no compaction).
+        compaction: the session's :class:`CompactionConfig` (default: no compaction). With
+            ``inject_budget_message`` and no ``budget_message_frame``, the frame is set from the
+            chat template (:meth:`ChatFormat.message_frame`), so the engine's budget messages
+            follow this agent's template.
         sampling: per-turn :class:`SamplingParams` (default: greedy, the prompt format's
             ``max_new_tokens``). Its ``seed`` and the episode seed seed the session's RNG stream.
         prompt: ``"balrog"`` (BALROG's plain agent), ``"reasoning"`` (``<think>`` then
@@ -104,6 +108,11 @@ class CompactionAgent:
             chat_template=chat_template,
             template_kwargs=chat_template_kwargs,
         )
+        if self.compaction.inject_budget_message and self.compaction.budget_message_frame is None:
+            with warnings.catch_warnings():  # the config already warned when it was made
+                warnings.simplefilter("ignore")
+                # budget messages framed as a user turn of this agent's template (docs/agents.md)
+                self.compaction = self.compaction.replace(budget_message_frame=self.chat.message_frame())
         self.tokenizer = tok
         self.model_name = model_name if model_name is not None else str(backend.name)
         self.eos_token_ids = _eos_ids(backend, tok)

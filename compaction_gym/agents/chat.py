@@ -27,6 +27,7 @@ from compaction_gym.errors import InvalidArgumentError
 
 _SENT_USER = "\u2063user-sentinel\u2063"
 _SENT_ASSISTANT = "\u2063assistant-sentinel\u2063"
+_SENT_MESSAGE = "\u2063message-sentinel\u2063"
 
 
 class ChatFormat:
@@ -104,6 +105,25 @@ class ChatFormat:
                 "of the first; pass chat_template=..."
             )
         return full[len(base) :]
+
+    def message_frame(self) -> tuple[str, str]:
+        """How the template frames a user message that follows another, with the generation
+        prompt after it: ``(prefix, suffix)``, so that ``prefix + content + suffix`` equals
+        :meth:`first_user_text` of ``content`` (no BOS, no default system message). The agent
+        passes it to the engine as ``CompactionConfig.budget_message_frame``, so budget messages
+        read as a user turn of this template.
+
+        Raises:
+            InvalidArgumentError: the template does not place the content verbatim (exactly once).
+        """
+        text = self.first_user_text(_SENT_USER, _SENT_MESSAGE)
+        if text.count(_SENT_MESSAGE) != 1:
+            raise InvalidArgumentError(
+                "the chat template does not place a user message's content verbatim; pass "
+                "budget_message_frame=(prefix, suffix) in the CompactionConfig or chat_template=..."
+            )
+        prefix, suffix = text.split(_SENT_MESSAGE)
+        return prefix, suffix
 
     def next_user_text(self, content: str) -> str:
         """What to feed after an assistant's content: its closing, the user message, the generation

@@ -2,8 +2,10 @@
 
 Any HF causal LM whose attention layers call ``past_key_values.update(k, v, layer_idx)`` and then
 ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, scaling=...)``
-(Llama, Qwen2, Qwen3, Mistral, ... in transformers 5.x) runs on the slot cache when loaded with
-``attn_implementation=ATTENTION_NAME``:
+(Llama, Qwen2, Qwen3, Mistral, ... in transformers 5.x) runs on the slot cache while its config
+names ``ATTENTION_NAME``. The engine never leaves it there: :class:`EngineForward` switches the
+caller's model to it (and to eval mode) around each of the engine's own forwards only, so the
+model keeps its own attention implementation and mode between engine calls (docs/engine.md):
 
 * :class:`SlotCache.update` writes the new tokens' post-RoPE K/V into their slot rows and returns
   the batch's live rows ``[B, H_kv, kv_len, d]``;
@@ -15,6 +17,8 @@ HF builds no mask for an attention name it does not know, so all masking comes f
 """
 
 from __future__ import annotations
+
+from types import TracebackType
 
 import torch
 import torch.nn.functional as F
@@ -116,3 +120,52 @@ def register_attention() -> str:
     if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not slot_attention:
         AttentionInterface.register(ATTENTION_NAME, slot_attention)
     return ATTENTION_NAME
+
+
+def _configs(config) -> list:
+    """``config`` and its sub-configs, parents first (``_attn_implementation`` is set recursively)."""
+    out = [config]
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            out += _configs(sub)
+    return out
+
+
+class EngineForward:
+    """Context for one of the engine's own forwards: the model runs :data:`ATTENTION_NAME` in eval
+    mode inside the block, and gets back its own attention implementation(s) and mode after it.
+
+    Attention modules read ``config._attn_implementation`` at every forward, so switching the
+    config is enough (and cheap). Each config and sub-config gets its own value back, even on error.
+
+    Args:
+        model: the caller's model (PEFT wrappers are fine: they forward ``config``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        register_attention()
+        self.model = model
+        self.config = model.config
+        self._configs = _configs(self.config)
+        self._saved: list[tuple[object, object]] = []
+        self._training: list[torch.nn.Module] = []
+
+    def __enter__(self) -> EngineForward:
+        assert not self._saved, "EngineForward is not reentrant"
+        self._saved = [(c, c._attn_implementation) for c in self._configs]
+        self.config._attn_implementation = ATTENTION_NAME  # the setter recurses into sub-configs
+        if self.model.training:  # modules in training mode get it back exactly (mixed modes too)
+            self._training = [m for m in self.model.modules() if m.training]
+            self.model.eval()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for config, impl in self._saved:  # parents first: a child's own value is written last
+            config._attn_implementation = impl
+        self._saved = []
+        for m in self._training:
+            m.training = True
+        self._training = []

@@ -59,7 +59,7 @@ class Compactor:
             return None
         start = s.protected_rows
         end = start + cfg.compact_window
-        if end > (self.cache.lengths[s.slot] if kv_len is None else kv_len):
+        if end > (self.cache.length(s.slot) if kv_len is None else kv_len):
             return None
         if target_size(cfg.mode, end - start, cfg.compact_target_ratio) >= end - start:
             return None
@@ -81,7 +81,7 @@ class Compactor:
         Returns:
             ``(spans, kv_len_after)``: the spans, in firing order, and the slot length after them.
         """
-        kv = self.cache.lengths[s.slot] if kv_len is None else kv_len
+        kv = self.cache.length(s.slot) if kv_len is None else kv_len
         spans: list[tuple[int, int]] = []
         cfg = s.config
         while cfg.kv_budget and kv + need > cfg.max_kv_len:
@@ -100,7 +100,7 @@ class Compactor:
         for span in spans:
             events.append(self.compact(s, span, s.config.compact_target_ratio, "kv_budget"))
             s.budget_events += 1
-        assert self.cache.lengths[s.slot] == kv_after, (self.cache.lengths[s.slot], kv_after)
+        assert self.cache.length(s.slot) == kv_after, (self.cache.length(s.slot), kv_after)
         return events
 
     def turn_span(self, s: Session) -> tuple[int, int] | None:
@@ -108,7 +108,7 @@ class Compactor:
         cfg = s.config
         if not cfg.turn_based:
             return None
-        kv_len = self.cache.lengths[s.slot]
+        kv_len = self.cache.length(s.slot)
         floor = s.protected_rows
         block_end = s.row_map.last_block_end()
         start = floor if cfg.recompact_from_prompt or block_end is None else max(floor, block_end)
@@ -131,7 +131,7 @@ class Compactor:
         t0 = time.perf_counter()
         cfg, cache, lay = s.config, self.cache, self.layout
         start, end = span
-        kv_before = cache.lengths[s.slot]
+        kv_before = cache.length(s.slot)
         assert 0 <= start < end <= kv_before, (span, kv_before)
         target = target_size(cfg.mode, end - start, ratio)
         index = len(s.events)
@@ -226,7 +226,7 @@ class Compactor:
         if cfg.queries == "random":
             seed = s.seed
         elif cfg.queries == "keys":
-            rows = key_probe_rows(s.row_map, self.cache.lengths[s.slot], cfg.n_probe_queries, s.last_response)
+            rows = key_probe_rows(s.row_map, self.cache.length(s.slot), cfg.n_probe_queries, s.last_response)
             probe_range = s.row_map.logical_span(*rows)
         elif s.probes is None:  # streaming / random selection: attention is not looked at
             return None, None, None, None

@@ -43,11 +43,19 @@ def _check_fields(obj: Any) -> None:
             continue
         base = kind.split(" | ")[0]
         if base.startswith("tuple"):
+            item = base[len("tuple[") :].split(",")[0].strip(" ]")
             if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
-                raise InvalidArgumentError(f"{name} must be a list of ints, got {value!r:.80}")
+                raise InvalidArgumentError(f"{name} must be a list of {item}s, got {value!r:.80}")
             if len(value) > meta.get("max_length", len(value)):
                 raise InvalidArgumentError(f"{name} takes at most {meta['max_length']} items, got {len(value)}")
-            items = tuple(_number(name, v, "int", meta) for v in value)
+            if "size" in meta and len(value) != meta["size"]:
+                raise InvalidArgumentError(f"{name} must have exactly {meta['size']} items, got {len(value)}")
+            if item == "str":
+                if not all(isinstance(v, str) and len(v) <= meta.get("max_chars", 4096) for v in value):
+                    raise InvalidArgumentError(f"{name} must hold strings of at most 4096 characters, got {value!r:.80}")
+                items = tuple(value)
+            else:
+                items = tuple(_number(name, v, "int", meta) for v in value)
             object.__setattr__(obj, f.name, items)
         elif base in ("int", "float", "bool"):
             object.__setattr__(obj, f.name, _number(name, value, base, meta))
@@ -86,6 +94,13 @@ def _number(name: str, value: Any, kind: str, meta: Any) -> Any:
     if "le" in meta and value > meta["le"]:
         raise InvalidArgumentError(f"{name} must be <= {meta['le']}, got {value!r}")
     return value
+
+
+#: The engine's budget-message framing when a session gives none and the tokenizer speaks ChatML:
+#: a user turn, then the assistant's generation prompt.
+DEFAULT_BUDGET_FRAME = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+#: ... and when the tokenizer has no chat template or no ``<|im_start|>``: blank lines around it.
+PLAIN_BUDGET_FRAME = ("\n\n", "\n\n")
 
 
 class _DictMixin:
@@ -177,6 +192,11 @@ class CompactionConfig(_DictMixin):
         ridge: relative ridge strength of the C2 solve.
         inject_budget_message: after each compaction event, prefill the budget message.
         budget_message_template: formatted with ``used``, ``total`` and ``remaining``.
+        budget_message_frame: ``(prefix, suffix)`` text placed around the budget message before it
+            is tokenized (as one text): how the caller's chat template frames a user turn and the
+            generation prompt. ``CompactionAgent`` sets it from its chat template. ``None``: the
+            engine's default, :data:`DEFAULT_BUDGET_FRAME` (ChatML) when the tokenizer has a chat
+            template and ``<|im_start|>``, else blank lines around the message.
     """
 
     mode: CompactionMode = field(
@@ -231,6 +251,15 @@ class CompactionConfig(_DictMixin):
     budget_message_template: str = field(
         default=DEFAULT_BUDGET_TEMPLATE,
         metadata={"help": "budget message, formatted with {used}, {total} and {remaining}", "max_length": 4096},
+    )
+    budget_message_frame: tuple[str, str] | None = field(
+        default=None,
+        metadata={
+            "help": "PREFIX SUFFIX text around the budget message (the chat template's user turn and "
+            "generation prompt; agents set it from their template); unset: ChatML when the tokenizer "
+            "has <|im_start|>, else blank lines",
+            "size": 2,
+        },
     )
 
     def __post_init__(self) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import operator
-import secrets
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,13 +10,17 @@ from pathlib import Path
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.engine.attention import ATTENTION_NAME, register_attention
-from compaction_gym.engine.compactor import Compactor, records_queries
-from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.attention import register_attention
+from compaction_gym.engine.compactor import Compactor
+from compaction_gym.engine.config import (
+    DEFAULT_BUDGET_FRAME,
+    PLAIN_BUDGET_FRAME,
+    CompactionConfig,
+    SamplingParams,
+)
 from compaction_gym.engine.model_runner import ModelLayout, ModelRunner
-from compaction_gym.engine.sampler import SampleStream
 from compaction_gym.engine.scheduler import Scheduler, Work
-from compaction_gym.engine.session import ProbeRing, Session, SessionView
+from compaction_gym.engine.session import Session, SessionView
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.engine.types import CreateRequest, StepRequest, StepResult
 from compaction_gym.errors import CapacityError, CompactionGymError, InvalidArgumentError
@@ -33,8 +35,10 @@ class Engine:
     The engine is not thread-safe: callers (the server) serialise calls.
 
     Args:
-        model: a Hugging Face causal LM with standard attention (Llama, Qwen2, Qwen3, ...); its
-            attention implementation is switched to the engine's.
+        model: a Hugging Face causal LM with standard attention (Llama, Qwen2, Qwen3, ...). It is
+            left as given: the engine's attention implementation and eval mode are switched in
+            around the engine's own forwards only (its ``config._attn_implementation`` and
+            ``training`` read the same between calls).
         tokenizer: optional HF tokenizer (``text`` of results, budget messages).
         max_slots: sessions that can be open at once.
         capacity: cache rows per slot (default: 4096 on CPU, 8192 on GPU, at most the model's
@@ -68,10 +72,7 @@ class Engine:
         if prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.layout = layout = ModelLayout.from_model(model)  # refuses unsupported models first
-        register_attention()
-        if model.config._attn_implementation != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
-        model.eval()
+        register_attention()  # switched in around the engine's own forwards only (ModelRunner)
         self.model = model
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -83,6 +84,8 @@ class Engine:
             raise InvalidArgumentError(f"capacity must be >= 1, got {capacity}")
         self.max_slots, self.capacity = max_slots, capacity
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        #: how budget messages are framed for sessions whose config gives no ``budget_message_frame``
+        self.default_budget_frame = default_budget_frame(tokenizer)
         self.cache = SlotKVCache(
             layout.n_layers, layout.n_kv_heads, layout.head_dim, max_slots, capacity, self.dtype, self.device,
             v_head_dim=layout.v_head_dim,
@@ -127,9 +130,7 @@ class Engine:
         from compaction_gym.models.registry import load_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, tokenizer = load_model(
-            model_name_or_path, dtype=dtype, device=device, attn_implementation=register_attention()
-        )
+        model, tokenizer = load_model(model_name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, max_slots=max_slots, capacity=capacity, **kwargs)
 
     # ------------------------------------------------------------ properties
@@ -144,12 +145,12 @@ class Engine:
     def session(self, session_id: str) -> SessionView:
         """A read-only snapshot of a session. Raises ``UnknownSessionError``."""
         s = self.scheduler.get(session_id)
-        return SessionView.of(s, self.cache.lengths[s.slot])
+        return SessionView.of(s, self.cache.length(s.slot))
 
     def read_cache(self, session_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of a session's live cache rows: K, V ``[L, H_kv, kv_len, d]`` and β ``[L, H_kv, kv_len]``."""
         s = self.scheduler.get(session_id)
-        n = self.cache.lengths[s.slot]
+        n = self.cache.length(s.slot)
         c = self.cache
         return c.k[s.slot, :, :, :n].clone(), c.v[s.slot, :, :, :n].clone(), c.beta[s.slot, :, :, :n].clone()
 
@@ -223,13 +224,13 @@ class Engine:
         created: list[Session] = []
         try:
             for i, prompt, config, sampling, session_id in opens:
-                s = self._open(prompt, config, sampling, session_id)
+                s = self.scheduler.open(session_id, len(prompt), config, sampling)
                 created.append(s)
                 works[i] = Work(s, prompt, sampling, s.stream)
             return self.scheduler.run(works)
         except BaseException:
             for s in created:
-                self._drop(s)
+                self.scheduler.drop(s)
             raise
 
     def _check_create(
@@ -288,51 +289,14 @@ class Engine:
         self.scheduler.check(s, new_ids)
         return Work(s, new_ids, params, stream, response_complete=bool(req.response_complete))
 
-    def _open(
-        self, prompt: list[int], config: CompactionConfig, sampling: SamplingParams, session_id: str
-    ) -> Session:
-        """Take a slot and register a new, empty session (its prompt is fed by the scheduler)."""
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        slot = self.cache.allocate()
-        s = Session(
-            session_id=session_id,
-            slot=slot,
-            config=config,
-            sampling=sampling,
-            stream=SampleStream.fresh(seed),
-            seed=seed,
-            prompt_len=len(prompt),
-            protected_rows=len(prompt) if config.protect_prompt else 0,
-        )
-        if records_queries(config):
-            lay = self.layout
-            s.probes = ProbeRing(
-                lay.n_layers, lay.n_q_heads, lay.head_dim, config.n_probe_queries, self.dtype, self.device
-            )
-        self.scheduler.sessions[session_id] = s
-        return s
-
     def fork(self, session_id: str) -> str:
         """Copy a session (cache, history, RNG stream position) into a new slot; returns the new id."""
         src = self.scheduler.get(session_id)
-        if not self.cache.can_allocate():
-            raise CapacityError(f"all {self.max_slots} slots are in use; close a session before forking")
-        slot = self.cache.allocate()
-        self.cache.copy_slot(src.slot, slot)
-        new = copy.copy(src)
-        new.session_id, new.slot = uuid.uuid4().hex, slot
-        for name in ("token_ids", "completion_mask", "logprobs", "events", "turn_starts"):
-            setattr(new, name, list(getattr(src, name)))
-        new.row_map = copy.deepcopy(src.row_map)
-        new.stream = src.stream.clone()
-        new.probes = src.probes.clone() if src.probes is not None else None
-        new.last_logits = src.last_logits.clone() if src.last_logits is not None else None
-        self.scheduler.sessions[new.session_id] = new
-        return new.session_id
+        return self.scheduler.fork(src, uuid.uuid4().hex).session_id
 
     def close(self, session_id: str) -> None:
         """Free a session's slot. Raises ``UnknownSessionError``."""
-        self._drop(self.scheduler.get(session_id))
+        self.scheduler.drop(self.scheduler.get(session_id))
 
     def compact(
         self, session_id: str, span: tuple[int, int] | None = None, ratio: float | None = None
@@ -351,7 +315,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"session {session_id!r} has mode='none'; create it with a compaction mode"
             )
-        kv_len = self.cache.lengths[s.slot]
+        kv_len = self.cache.length(s.slot)
         if span is None:
             span = (s.protected_rows, kv_len)
         try:
@@ -376,10 +340,6 @@ class Engine:
         return result
 
     # ------------------------------------------------------------- helpers
-    def _drop(self, s: Session) -> None:
-        self.scheduler.sessions.pop(s.session_id, None)
-        self.cache.release(s.slot)
-
     def _ids(self, ids, name: str) -> list[int]:
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -424,17 +384,14 @@ class Engine:
         )
 
     def _budget_message(self, s: Session) -> list[int]:
-        """Token ids of the budget message, framed as a ChatML user turn when the tokenizer has one."""
+        """Token ids of the budget message, framed by the session's ``budget_message_frame`` (the
+        caller's chat template) or the engine's default (:func:`default_budget_frame`)."""
         total = s.config.max_total_tokens
         text = s.config.budget_message_template.format(
             used=s.generated, total=total, remaining=max(0, total - s.generated)
         )
-        tok = self.tokenizer
-        if tok.chat_template and "<|im_start|>" in tok.get_vocab():
-            text = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            text = f"\n\n{text}\n\n"
-        return tok.encode(text, add_special_tokens=False)
+        prefix, suffix = s.config.budget_message_frame or self.default_budget_frame
+        return self.tokenizer.encode(prefix + text + suffix, add_special_tokens=False)
 
     def __repr__(self) -> str:
         return (
@@ -471,3 +428,12 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
             continue
         ids.update([src] if isinstance(src, int) else list(src))
     return tuple(sorted(ids))
+
+
+def default_budget_frame(tokenizer) -> tuple[str, str]:
+    """The budget-message framing for sessions that give none: :data:`DEFAULT_BUDGET_FRAME`
+    (a ChatML user turn and generation prompt) when the tokenizer has a chat template and
+    ``<|im_start|>``, else :data:`PLAIN_BUDGET_FRAME` (blank lines)."""
+    if tokenizer is not None and tokenizer.chat_template and "<|im_start|>" in tokenizer.get_vocab():
+        return DEFAULT_BUDGET_FRAME
+    return PLAIN_BUDGET_FRAME

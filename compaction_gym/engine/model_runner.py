@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from compaction_gym.engine.attention import SlotCache
+from compaction_gym.engine.attention import EngineForward, SlotCache
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.context import ForwardContext, forward_context
 from compaction_gym.engine.sampler import SampleStream, sample
@@ -127,6 +127,7 @@ class ModelRunner:
         self.device = cache.k.device
         self.dtype = cache.k.dtype
         self._hf_cache = SlotCache(cache)
+        self._switch = EngineForward(model)  # the engine's attention and eval mode, per forward only
 
     @torch.no_grad()
     def forward(self, rows: list[RowFeed]) -> torch.Tensor:
@@ -136,7 +137,7 @@ class ModelRunner:
         """
         assert rows and all(r.token_ids for r in rows)
         cache, dev = self.cache, self.device
-        lens = [cache.lengths[r.slot] for r in rows]
+        lens = [cache.length(r.slot) for r in rows]
         sizes = [len(r.token_ids) for r in rows]
         assert all(n0 + n <= cache.capacity for n0, n in zip(lens, sizes)), "runner asked to overflow a slot"
         width = max(sizes)
@@ -173,7 +174,7 @@ class ModelRunner:
         if recording:
             ctx.record_rows = torch.tensor(recording, device=dev)
             ctx.record_cols = max(min(sizes[b], rows[b].recorder.capacity) for b in recording)
-        with forward_context(ctx):
+        with forward_context(ctx), self._switch:
             out = self.model(
                 input_ids=ids.to(dev),
                 position_ids=pos.to(dev),
@@ -182,7 +183,7 @@ class ModelRunner:
                 logits_to_keep=1,
             )
         for r, n in zip(rows, sizes):
-            cache.lengths[r.slot] += n
+            cache.advance(r.slot, n)
         if recording:
             self._push_queries(rows, sizes, recording, ctx)
         return out.logits[:, -1].float()

@@ -26,6 +26,7 @@ refuses an input that would not fit even then, so a batch either runs whole or c
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.engine.compactor import Compactor
-from compaction_gym.engine.config import SamplingParams
+from compaction_gym.engine.compactor import Compactor, records_queries
+from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.model_runner import DecodeRow, ModelRunner, RowFeed
 from compaction_gym.engine.sampler import SampleStream, sample
-from compaction_gym.engine.session import Session
+from compaction_gym.engine.session import ProbeRing, Session
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.engine.types import StepResult
 from compaction_gym.errors import CapacityError, InvalidArgumentError, UnknownSessionError
@@ -63,7 +64,11 @@ class Work:
 
 
 class Scheduler:
-    """Sessions by id, their slots, and the batched step loop."""
+    """Sessions by id, their slots, and the batched step loop.
+
+    The scheduler owns the sessions: it opens (:meth:`open`), forks (:meth:`fork`) and drops
+    (:meth:`drop`) them, and the engine only delegates after validating a request.
+    """
 
     def __init__(
         self,
@@ -94,7 +99,53 @@ class Scheduler:
             ) from None
 
     def kv_len(self, s: Session) -> int:
-        return self.cache.lengths[s.slot]
+        return self.cache.length(s.slot)
+
+    def open(
+        self, session_id: str, prompt_len: int, config: CompactionConfig, sampling: SamplingParams
+    ) -> Session:
+        """Take a slot and register a new, empty session (its prompt is fed by :meth:`run`).
+
+        Its RNG stream is seeded from ``sampling.seed`` (random when ``None``). The caller has
+        checked that the id is new and a slot is free.
+        """
+        assert session_id not in self.sessions, session_id
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        s = Session(
+            session_id=session_id,
+            slot=self.cache.allocate(),
+            config=config,
+            sampling=sampling,
+            stream=SampleStream.fresh(seed),
+            seed=seed,
+            prompt_len=prompt_len,
+            protected_rows=prompt_len if config.protect_prompt else 0,
+        )
+        if records_queries(config):
+            lay, k = self.runner.layout, self.cache.k
+            s.probes = ProbeRing(
+                lay.n_layers, lay.n_q_heads, lay.head_dim, config.n_probe_queries, k.dtype, k.device
+            )
+        self.sessions[session_id] = s
+        return s
+
+    def fork(self, src: Session, session_id: str) -> Session:
+        """Copy ``src`` (:meth:`Session.clone`) and its cache rows into a new slot, registered as ``session_id``."""
+        assert session_id not in self.sessions, session_id
+        if not self.cache.can_allocate():
+            raise CapacityError(
+                f"all {self.cache.max_slots} slots are in use; close a session before forking"
+            )
+        slot = self.cache.allocate()
+        self.cache.copy_slot(src.slot, slot)
+        new = src.clone(session_id, slot)
+        self.sessions[session_id] = new
+        return new
+
+    def drop(self, s: Session) -> None:
+        """Unregister ``s`` and free its slot."""
+        self.sessions.pop(s.session_id, None)
+        self.cache.release(s.slot)
 
     # ------------------------------------------------------------- stepping
     def stream_for(self, s: Session, sampling: SamplingParams | None) -> tuple[SamplingParams, SampleStream]:

@@ -99,6 +99,20 @@ class Session:
         if sampled:
             self.generated += len(ids)
 
+    def clone(self, session_id: str, slot: int) -> Session:
+        """An independent copy (fork) under a new id and slot: history, row map, RNG stream
+        position, recorded probes and kept logits are copied; the frozen config and sampling
+        parameters are shared. The slot's cache rows are copied by the cache, not here."""
+        new = copy.copy(self)
+        new.session_id, new.slot = session_id, slot
+        for name in ("token_ids", "completion_mask", "logprobs", "events", "turn_starts"):
+            setattr(new, name, list(getattr(self, name)))
+        new.row_map = copy.deepcopy(self.row_map)
+        new.stream = self.stream.clone()
+        new.probes = self.probes.clone() if self.probes is not None else None
+        new.last_logits = self.last_logits.clone() if self.last_logits is not None else None
+        return new
+
 
 @dataclass(frozen=True)
 class SessionView:

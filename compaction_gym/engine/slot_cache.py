@@ -17,6 +17,10 @@ from compaction_gym.errors import CapacityError
 class SlotKVCache:
     """Fixed-shape K/V/β storage plus per-slot length; slots are allocated to sessions.
 
+    The cache is the only writer of slot lengths: runners :meth:`advance` a slot after feeding
+    it, :meth:`replace_span` sets the length after compaction, :meth:`allocate` / :meth:`release`
+    reset it and :meth:`copy_slot` copies it. Everyone else reads it with :meth:`length`.
+
     Args:
         n_layers, n_kv_heads, head_dim: model attention layout (``v_head_dim`` defaults to ``head_dim``).
         max_slots: sessions that can be active at once.
@@ -41,9 +45,32 @@ class SlotKVCache:
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, v_head_dim or head_dim, dtype=dtype, device=device)
         self.beta = torch.zeros(*shape, dtype=torch.float32, device=device)
-        self.lengths = [0] * max_slots
+        self._lengths = [0] * max_slots
         self.has_beta = [False] * max_slots
         self._free = set(range(max_slots))
+
+    # --------------------------------------------------------------- lengths
+    def length(self, slot: int) -> int:
+        """Rows in use in ``slot``."""
+        return self._lengths[slot]
+
+    @property
+    def lengths(self) -> list[int]:
+        """A copy of every slot's length (read-only: writing into it changes nothing)."""
+        return list(self._lengths)
+
+    def advance(self, slot: int, n: int) -> int:
+        """Record ``n`` rows appended to ``slot`` (written by a forward); returns the new length."""
+        new = self._lengths[slot] + n
+        assert 0 <= new <= self.capacity, f"slot {slot}: length {new} outside [0, {self.capacity}]"
+        self._lengths[slot] = new
+        return new
+
+    def restore_lengths(self, lengths: list[int]) -> None:
+        """Set every slot's length from a saved :attr:`lengths` (tests and benchmarks that restore
+        K/V they saved; a session's rows are otherwise only changed by the methods above)."""
+        assert len(lengths) == self.max_slots and all(0 <= n <= self.capacity for n in lengths), lengths
+        self._lengths[:] = [int(n) for n in lengths]
 
     # ----------------------------------------------------------------- slots
     @property
@@ -61,24 +88,24 @@ class SlotKVCache:
             )
         slot = min(self._free)
         self._free.remove(slot)
-        self.lengths[slot] = 0
+        self._lengths[slot] = 0
         self.has_beta[slot] = False
         self.beta[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} released twice"
-        self.lengths[slot] = 0
+        self._lengths[slot] = 0
         self._free.add(slot)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make ``dst`` an exact copy of ``src`` (fork)."""
-        n = self.lengths[src]
+        n = self._lengths[src]
         self.k[dst, :, :, :n] = self.k[src, :, :, :n]
         self.v[dst, :, :, :n] = self.v[src, :, :, :n]
         self.beta[dst].zero_()
         self.beta[dst, :, :, :n] = self.beta[src, :, :, :n]
-        self.lengths[dst] = n
+        self._lengths[dst] = n
         self.has_beta[dst] = self.has_beta[src]
 
     # ----------------------------------------------------------- forward I/O
@@ -112,7 +139,7 @@ class SlotKVCache:
     # ------------------------------------------------------------ compaction
     def rows(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One slot's live rows as ``[L * H_kv, T, d]`` K, V and ``[L * H_kv, T]`` β (views)."""
-        n, lh = self.lengths[slot], self.n_layers * self.n_kv_heads
+        n, lh = self._lengths[slot], self.n_layers * self.n_kv_heads
         k = self.k[slot, :, :, :n].reshape(lh, n, self.head_dim)
         v = self.v[slot, :, :, :n].reshape(lh, n, self.v.shape[-1])
         return k, v, self.beta[slot, :, :, :n].reshape(lh, n)
@@ -135,7 +162,7 @@ class SlotKVCache:
             The slot's new length.
         """
         start, end = span
-        old = self.lengths[slot]
+        old = self._lengths[slot]
         assert 0 <= start <= end <= old, (span, old)
         lay = (self.n_layers, self.n_kv_heads)
         t = keys.shape[1]
@@ -153,5 +180,5 @@ class SlotKVCache:
                 self.beta[slot, :, :, start : start + t] = beta.reshape(*lay, t).to(torch.float32)
                 self.has_beta[slot] = self.has_beta[slot] or bool(beta.abs().max() > 0)
         self.beta[slot, :, :, new:old] = 0.0
-        self.lengths[slot] = new
+        self._lengths[slot] = new
         return new

@@ -28,7 +28,10 @@ def config_fields(config: CompactionConfig | None) -> dict[str, Any]:
     """A CompactionConfig as request fields (every field, so the server rebuilds it exactly)."""
     if config is None:
         return {}
-    return {name: getattr(config, name) for name in COMPACTION_FIELDS}
+    out = {name: getattr(config, name) for name in COMPACTION_FIELDS}
+    if out["budget_message_frame"] is not None:
+        out["budget_message_frame"] = list(out["budget_message_frame"])  # a JSON array
+    return out
 
 
 def sampling_fields(sampling: SamplingParams | None) -> dict[str, Any]:

@@ -112,8 +112,8 @@ class SamplingFields(_Request):
         return SamplingParams(**overrides) if overrides else None
 
 
-def _cc(name: str) -> Any:
-    return _field(CompactionConfig, name)
+def _cc(name: str, **extra: Any) -> Any:
+    return _field(CompactionConfig, name, **extra)
 
 
 class CompactionFields(_Request):
@@ -144,6 +144,9 @@ class CompactionFields(_Request):
     ridge: float = _cc("ridge")
     inject_budget_message: bool = _cc("inject_budget_message")
     budget_message_template: str = _cc("budget_message_template")
+    budget_message_frame: list[Annotated[str, Field(max_length=4096)]] | None = _cc(
+        "budget_message_frame", min_length=2, max_length=2
+    )
 
     def compaction_config(self) -> CompactionConfig | None:
         """``CompactionConfig`` from the set fields, or ``None`` when none was set (engine default).

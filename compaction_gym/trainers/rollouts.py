@@ -8,8 +8,9 @@ turn across all episodes, each with its own sampling seed). :func:`rollout_batch
 resulting :class:`~compaction_gym.agents.Trajectory` s into TRL's ``rollout_func`` contract.
 
 The policy is shared with a trainer, so every engine call runs inside :meth:`EnvRollouts.generating`:
-eval mode (no dropout, no gradient checkpointing), no autograd, and the engine's attention
-implementation switched in only for the duration (the trainer's forwards keep theirs).
+eval mode (no dropout, no gradient checkpointing) and no autograd. The engine itself switches the
+model to its attention implementation around its own forwards only (docs/engine.md), so the
+trainer's forwards keep theirs.
 
 Used by :class:`~compaction_gym.trainers.grpo.CompactionGRPOTrainer` and the GJS trainer; nothing
 here depends on TRL.
@@ -30,9 +31,8 @@ from compaction_gym.agents import CompactionAgent, Trajectory, run_episodes
 from compaction_gym.agents.prompts import PromptFormat
 from compaction_gym.backends import LocalBackend
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
-from compaction_gym.engine.attention import ATTENTION_NAME
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.trainers.replay_attention import unwrap, use_attention
+from compaction_gym.trainers.replay_attention import unwrap
 
 #: Makes one env instance.
 EnvFactory = Callable[[], gym.Env]
@@ -158,23 +158,18 @@ class EnvRollouts:
         self.system_prompt = system_prompt
         self.chat_template_kwargs = chat_template_kwargs
         config = self.model.config
-        attn, training = config._attn_implementation, self.model.training
-        try:  # Engine() switches the model to its attention and to eval mode: undo both
-            self.engine = Engine(self.model, tokenizer, max_slots=max_slots, capacity=capacity, fast=fast)
-        finally:
-            config._attn_implementation = attn
-            self.model.train(training)
+        self.engine = Engine(self.model, tokenizer, max_slots=max_slots, capacity=capacity, fast=fast)
         name = model_name or str(getattr(config, "_name_or_path", "") or "")
         self.backend = LocalBackend(self.engine, name=name)
         self._pool: dict[str, list[gym.Env]] = {}
 
     @contextmanager
     def generating(self) -> Iterator[None]:
-        """Eval mode, no autograd and the engine's attention, restored afterwards."""
+        """Eval mode and no autograd, the mode restored afterwards (the engine switches its attention itself)."""
         training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), use_attention(self.model, ATTENTION_NAME):
+            with torch.no_grad():
                 yield
         finally:
             self.model.train(training)

@@ -8,7 +8,7 @@ import pytest
 import compaction_gym  # noqa: F401
 from compaction_gym.agents import CompactionAgent, run_episode, run_episodes
 from compaction_gym.backends import Backend, LocalBackend
-from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.config import DEFAULT_BUDGET_TEMPLATE, CompactionConfig, SamplingParams
 
 MAX_STEPS = 3
 #: One config per mode, each with a trigger that fires within 3 BabyAI turns of the tiny model
@@ -124,3 +124,64 @@ def test_math_env_single_step(backend):
         and "<answer>" in text
         and text.endswith("<|im_start|>assistant\n")
     )
+
+
+#: A Gemma-style template (not ChatML): the agent's budget messages must follow it.
+GEMMA_TEMPLATE = (
+    "{%- for m in messages %}{{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role'])"
+    " + '\\n' + m['content'] + '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+
+def test_budget_messages_follow_the_agents_chat_template(backend):
+    tok = backend.tokenizer
+    config = CompactionConfig(
+        mode="markovian", max_kv_len=160, compact_window=64, max_total_tokens=300, inject_budget_message=True
+    )
+    agent = CompactionAgent(
+        backend,
+        compaction=config,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True),
+        prompt="raw",
+        chat_template=GEMMA_TEMPLATE,
+    )
+    results = []
+    step = backend.step
+    backend.step = lambda *a, **k: results.append(step(*a, **k)) or results[-1]
+    try:
+        agent.reset("INSTRUCTION", seed=0)
+        agent.act("an observation")
+    finally:
+        del backend.step
+        agent.close()
+    (r,) = results
+    assert r.inject_ranges and r.events
+
+    def render(messages, gen):  # the reference: the template itself, through the tokenizer
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen, chat_template=GEMMA_TEMPLATE
+        )
+
+    first = [{"role": "user", "content": "X"}]
+    for a, b in r.inject_ranges:
+        used = sum(r.completion_mask[:a])  # nothing was sampled before this step
+        text = DEFAULT_BUDGET_TEMPLATE.format(used=used, total=300, remaining=300 - used)
+        expected = render([*first, {"role": "user", "content": text}], True)[len(render(first, False)) :]
+        assert expected == f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+        assert r.token_ids[a:b] == tok(expected, add_special_tokens=False)["input_ids"]
+    assert tuple(agent.trajectory.compaction["budget_message_frame"]) == (
+        "<start_of_turn>user\n",
+        "<end_of_turn>\n<start_of_turn>model\n",
+    )
+
+
+def test_agent_keeps_a_given_budget_frame(backend):
+    frame = ("\n[budget] ", " [/budget]\n")
+    config = CompactionConfig(
+        mode="markovian", n_protect_turns=0, max_total_tokens=50, inject_budget_message=True, budget_message_frame=frame
+    )
+    agent = CompactionAgent(backend, compaction=config, chat_template=GEMMA_TEMPLATE)
+    assert agent.compaction == config
+    plain = CompactionAgent(backend, compaction=CompactionConfig(mode="markovian", n_protect_turns=0))
+    assert plain.compaction.budget_message_frame is None  # no budget messages: nothing to frame

@@ -96,3 +96,26 @@ def test_encode_keeps_special_tokens_single(tiny_tokenizer):
     assert ids[0] == tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tiny_tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     assert chat.decode(ids) == "<|im_start|>user\nx<|im_end|>\n"
+
+
+def test_message_frame_is_the_user_turn_delta(tiny_tokenizer):
+    """prefix + content + suffix is what the template renders for a user message after another."""
+    for kwargs in ({}, {"system_prompt": "SYS"}):
+        chat = ChatFormat(tiny_tokenizer, **kwargs)
+        prefix, suffix = chat.message_frame()
+        assert (prefix, suffix) == ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+        assert prefix + "Budget: 3/9" + suffix == chat.first_user_text("INSTR", "Budget: 3/9")
+    plain = ChatFormat(tiny_tokenizer, chat_template=ALTERNATING_TEMPLATE.replace(
+        "{%- if loop.index0 > 0 and message['role'] == messages[loop.index0 - 1]['role'] %}", "{%- if false %}"
+    ))  # fmt: skip
+    assert plain.message_frame() == ("user: ", "\n")
+
+
+def test_message_frame_needs_verbatim_content(tiny_tokenizer):
+    twice = (
+        "{%- for m in messages %}{{- m['role'] + ': ' + m['content']"
+        " + (m['content'] if m['role'] == 'user' else '') + '\\n' }}{%- endfor %}"
+    )
+    chat = ChatFormat(tiny_tokenizer, chat_template=twice)
+    with pytest.raises(InvalidArgumentError, match="budget_message_frame"):
+        chat.message_frame()

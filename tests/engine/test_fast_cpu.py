@@ -95,7 +95,7 @@ def test_decode_chunk_equals_generic_runner(runners):
     saved = generic.cache.k.clone(), generic.cache.v.clone(), list(generic.cache.lengths)
     dry = generic.decode_chunk(_chunk_rows(generic.layout, {2: frozenset(), 3: frozenset()}), 5)
     generic.cache.k.copy_(saved[0]), generic.cache.v.copy_(saved[1])
-    generic.cache.lengths[:] = saved[2]
+    generic.cache.restore_lengths(saved[2])
     stops = {2: frozenset({dry[2][0][3], 9999}), 3: frozenset({dry[3][0][2]})}
     results = {}
     for r in (generic, fast):

@@ -301,7 +301,7 @@ def test_decode_graph_gemv_forced_equals_cublas(tiny_model_path):
     toks_cublas, lps_cublas = fast.generate(list(prompts), first, starts, greedy, 20)
     fast.cache.k.copy_(saved[0])
     fast.cache.v.copy_(saved[1])
-    fast.cache.lengths[:] = saved[2]
+    fast.cache.restore_lengths(saved[2])
     fast.recapture()
     dec.use_gemv = dec.fuse_attention = dec.fuse_mlp = True
     dec._tune = lambda x, w, b, act=None: ("gemv", {})  # every projection of the graph on the GEMV
@@ -335,7 +335,7 @@ def test_programmatic_dependent_launch_changes_nothing(tiny_model_path, monkeypa
         assert pdl_enabled(fast.cache.k) == (pdl == "1")
         fast.cache.k.copy_(saved[0])
         fast.cache.v.copy_(saved[1])
-        fast.cache.lengths[:] = saved[2]
+        fast.cache.restore_lengths(saved[2])
         fast.recapture()
         out[pdl] = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 24)
     assert out["0"] == out["1"]
@@ -354,7 +354,7 @@ def test_generate_equals_forward_loop(tiny_model_path):
         loop[1].append(cur[1])
     cache.k.copy_(saved_k)
     cache.v.copy_(saved_v)
-    cache.lengths[:] = saved_len
+    cache.restore_lengths(saved_len)
     greedy = [SP(temperature=0.0)] * 2
     toks, lps = fast.generate(list(prompts), first, [len(p) for p in prompts.values()], greedy, 45)
     assert toks == loop

@@ -169,3 +169,23 @@ def test_compactor_gives_compact_each_probes_cache_row(tiny_model_path, mode, qu
             assert qpos.tolist() == rows * group
         assert call["queries"].shape[1] == qpos.numel()
         assert int(qpos.min()) >= event.span[1]  # probes come after the span they score
+
+
+def test_budget_message_frame_from_the_config(engine, tiny_tokenizer):
+    """A session's ``budget_message_frame`` replaces the default ChatML framing; the message is
+    tokenized as one text (reference: the tokenizer on prefix + message + suffix)."""
+    frame = ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n")
+    cfg = CompactionConfig(
+        mode="markovian", max_kv_len=96, compact_window=48, max_total_tokens=150, inject_budget_message=True,
+        budget_message_frame=frame,
+    )  # fmt: skip
+    r = engine.create_session(make_prompt(8, seed=76), cfg, GREEDY.replace(max_new_tokens=400))
+    assert r.inject_ranges and len(r.events) >= len(r.inject_ranges)  # back-to-back events share one
+    pos = used = 0
+    for a, b in r.inject_ranges:
+        used += sum(r.completion_mask[pos:a])
+        pos = b
+        text = DEFAULT_BUDGET_TEMPLATE.format(used=used, total=150, remaining=150 - used)
+        assert r.token_ids[a:b] == tiny_tokenizer.encode(frame[0] + text + frame[1], add_special_tokens=False)
+        assert "<|im_start|>" not in tiny_tokenizer.decode(r.token_ids[a:b])
+    assert sum(r.completion_mask) == 150 and r.kv_len <= 96

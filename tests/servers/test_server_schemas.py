@@ -126,6 +126,14 @@ def test_client_fields_rebuild_the_same_configs():
     turn = CompactionConfig(mode="markovian", n_protect_turns=1)
     req = SessionCreateRequest.model_validate({"prompt_ids": [1]} | config_fields(turn))
     assert req.compaction_config() == turn
+    framed = CompactionConfig(
+        mode="markovian", n_protect_turns=0, max_total_tokens=9, inject_budget_message=True,
+        budget_message_frame=("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
+    )  # fmt: skip
+    req = SessionCreateRequest.model_validate({"prompt_ids": [1]} | config_fields(framed))
+    assert req.compaction_config() == framed
+    with pytest.raises(ValidationError, match="budget_message_frame"):
+        SessionCreateRequest.model_validate({"prompt_ids": [1], "budget_message_frame": ["only a prefix"]})
 
 
 def test_wire_round_trip_is_lossless():

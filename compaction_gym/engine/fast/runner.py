@@ -131,7 +131,7 @@ class FastModelRunner:
         """
         assert rows and all(r.token_ids for r in rows)
         cache = self.cache
-        lens = [cache.lengths[r.slot] for r in rows]
+        lens = [cache.length(r.slot) for r in rows]
         sizes = [len(r.token_ids) for r in rows]
         for n0, n in zip(lens, sizes):
             assert n0 + n <= cache.capacity, "runner asked to overflow a slot"
@@ -141,7 +141,7 @@ class FastModelRunner:
         else:
             logits = torch.cat([self._forward_flat(g, [lens[i] for i in idx]) for idx, g in self._groups(rows)])
         for r, n in zip(rows, sizes):
-            cache.lengths[r.slot] += n
+            cache.advance(r.slot, n)
         return logits
 
     # --------------------------------------------------------------- decode
@@ -355,7 +355,7 @@ class FastModelRunner:
         batch = len(rows)
         assert 0 < batch <= self.max_batch and steps >= 1
         c = self.cache
-        lens = [c.lengths[r.slot] for r in rows]
+        lens = [c.length(r.slot) for r in rows]
         limits = [min(r.max_steps, steps, self.chunk_steps) for r in rows]
         assert min(limits) >= 1, "every row runs at least one step"
         assert all(n + k <= c.capacity for n, k in zip(lens, limits)), "decode_chunk would overflow a slot"
@@ -389,7 +389,7 @@ class FastModelRunner:
         out = []
         for b, r in enumerate(rows):
             m = cut_at_stop(tokens[b], limits[b], r.stop_ids)
-            c.lengths[r.slot] += m
+            c.advance(r.slot, m)
             if r.stream is not None and not r.params.greedy:
                 r.stream.counter += m
             if r.recorder is not None:
