@@ -94,7 +94,8 @@ class CompactionGRPOConfig(GRPOConfig):
         },
     )
     # -- defaults changed from GRPOConfig ---------------------------------------------------------
-    report_to: str | list[str] | None = field(default="tensorboard", metadata={"help": "Trackers to log to."})
+    # spelled as TrainingArguments spells it: HfArgumentParser special-cases this exact union
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "Trackers to log to."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     disable_dropout: bool = field(
         default=True,

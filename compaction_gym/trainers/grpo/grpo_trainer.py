@@ -117,7 +117,9 @@ class CompactionGRPOTrainer(GRPOTrainer):
         self._mismatch_reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rollout_rows: list[dict] | None = None
         self._rollout_trajectories: list[Trajectory] = []
-        self._rollout_round = 0
+        # rollouts so far in the current (mode, global step): with the step, the seed key of a round
+        self._round_key: tuple[str, int] = ("", -1)
+        self._round_in_step = 0
         self._generation_step = -1
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
@@ -164,13 +166,12 @@ class CompactionGRPOTrainer(GRPOTrainer):
                 "CompactionGRPOTrainer's rollout function runs only inside _generate_and_score_completions"
             )
         default_env = next(iter(self._env_factories))
-        self._rollout_round += 1
+        mode = "train" if self.model.training else "eval"
+        round_key = self._rollout_round_key(mode)
         specs = []
         for i, row in enumerate(rows):
             seed = row.get("env_seed")
-            sampling_seed = derive_seed(
-                self.args.seed, self.accelerator.process_index, self._rollout_round, i
-            )
+            sampling_seed = derive_seed(self.args.seed, self.accelerator.process_index, *round_key, i)
             specs.append(
                 EpisodeSpec(
                     str(row.get("env") or default_env), None if seed is None else int(seed), sampling_seed
@@ -179,10 +180,19 @@ class CompactionGRPOTrainer(GRPOTrainer):
         trajectories = self.rollouts.run(specs)
         self._rollout_trajectories = trajectories
         self._active = trajectories  # the old/reference log-prob passes inside super() replay these
-        mode = "train" if self.model.training else "eval"
         for key, value in rollout_metrics(trajectories).items():
             self._metrics[mode][key].append(value)
         return rollout_batch(trajectories)
+
+    def _rollout_round_key(self, mode: str) -> tuple[int, int, int]:
+        """``(mode, global step, rollout index within that step)`` as integers: the sampling seeds'
+        key. It is a function of the trainer state a checkpoint restores, so a resumed run samples
+        exactly what the uninterrupted one did (docs/grpo.md, "Checkpoints and resume")."""
+        key = (mode, self.state.global_step)
+        if key != self._round_key:
+            self._round_key, self._round_in_step = key, 0
+        self._round_in_step += 1
+        return (0 if mode == "train" else 1, self.state.global_step, self._round_in_step)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         # Override: the rollout function only receives prompts, so the rows (env, env_seed) are stashed

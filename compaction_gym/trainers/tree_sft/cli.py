@@ -273,7 +273,7 @@ def main(script: TreeSFTScriptArguments) -> int:
     training = {
         "output_dir": script.output_dir,
         "tree_mode": "tree" if script.tree else "per_branch",
-        "attn_implementation": script.attn,
+        "tree_attn_implementation": script.attn,
         "loss_normalizer": script.normalizer,
         "seq_len": script.seq_len,
         "max_packed_tokens": script.max_packed_tokens,

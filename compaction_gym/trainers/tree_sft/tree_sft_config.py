@@ -23,7 +23,7 @@ class TreeSFTConfig(SFTConfig):
     ``per_device_train_batch_size`` is 1, use ``gradient_accumulation_steps`` for more trees per step.
 
     Example:
-        >>> args = TreeSFTConfig("out", attn_implementation="flex_attention", seq_len=8192,
+        >>> args = TreeSFTConfig("out", tree_attn_implementation="flex_attention", seq_len=8192,
         ...                      max_packed_tokens=32768, gradient_accumulation_steps=4)  # doctest: +SKIP
     """
 
@@ -36,7 +36,7 @@ class TreeSFTConfig(SFTConfig):
             "choices": list(TREE_MODES),
         },
     )
-    attn_implementation: str = field(
+    tree_attn_implementation: str = field(
         default="sdpa",
         metadata={
             "help": "Attention backend the model is switched to: 'sdpa' (dense N×N ancestor mask), "
@@ -90,7 +90,7 @@ class TreeSFTConfig(SFTConfig):
         super().__post_init__()
         for name, valid in (
             ("tree_mode", TREE_MODES),
-            ("attn_implementation", ATTN_IMPLEMENTATIONS),
+            ("tree_attn_implementation", ATTN_IMPLEMENTATIONS),
             ("loss_normalizer", NORMALIZERS),
             ("overlong_trees", OVERLONG_POLICIES),
         ):
