@@ -9,6 +9,7 @@ from trl import GRPOConfig
 from compaction_gym.agents.prompts import PROMPT_FORMATS
 from compaction_gym.engine import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.devices import use_cpu_without_accelerator
 
 
 @dataclass
@@ -103,6 +104,7 @@ class CompactionGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        use_cpu_without_accelerator(self)  # TRL's bf16=True default must build on CPU
         super().__post_init__()
         if self.prompt_format not in PROMPT_FORMATS:
             raise InvalidArgumentError(

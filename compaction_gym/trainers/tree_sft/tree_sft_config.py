@@ -8,6 +8,7 @@ from typing import Any
 from trl import SFTConfig
 
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.devices import use_cpu_without_accelerator
 from compaction_gym.trainers.tree_sft.packing import ATTN_IMPLEMENTATIONS, NORMALIZERS
 
 TREE_MODES = ("tree", "per_branch")
@@ -87,6 +88,7 @@ class TreeSFTConfig(SFTConfig):
     )
 
     def __post_init__(self) -> None:
+        use_cpu_without_accelerator(self)  # TRL's bf16=True default must build on CPU
         super().__post_init__()
         for name, valid in (
             ("tree_mode", TREE_MODES),
