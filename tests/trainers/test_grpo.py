@@ -89,6 +89,16 @@ def test_three_step_grpo_run(tiny_model_path, tmp_path):
     assert max(scalars["train/replay/mean_kl"]) < 1e-8
     assert min(scalars["train/rollout/compaction_events"]) >= 1
     assert scalars["train/rollout/turns"] == [3.0, 3.0, 3.0]
+    # per-event metrics, per rollout batch: the last step's equal its episodes' events
+    events = [e for t in trainer._rollout_trajectories for e in t.events]
+    assert scalars["train/compaction/kv_len_before"][-1] == pytest.approx(
+        sum(e.kv_len_before for e in events) / len(events), rel=1e-6
+    )
+    assert scalars["train/compaction/kv_len_after"][-1] == pytest.approx(
+        sum(e.kv_len_after for e in events) / len(events), rel=1e-6
+    )
+    assert all(0 < f < 1 for f in scalars["train/compaction/kept_fraction"])
+    assert len(scalars["train/compaction/event_time_s"]) == 3
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
     assert "train/rewards/even_tokens/mean" in scalars and "train/rewards/env_reward/mean" in scalars
 

@@ -34,6 +34,7 @@ from compaction_gym.trainers.rollouts import (
     EnvRollouts,
     EnvsLike,
     EpisodeSpec,
+    budget_overshoot_reason,
     completion_start,
     derive_seed,
     resolve_envs,
@@ -44,7 +45,12 @@ from compaction_gym.trainers.rollouts import (
 logger = logging.getLogger(__name__)
 
 #: Metrics reduced with ``max`` (not TRL's mean) over the micro-batches of a logging window.
-MAX_METRICS = ("replay/max_abs_logprob_diff",)
+MAX_METRICS = (
+    "replay/max_abs_logprob_diff",
+    "rollout/peak_kv_len_max",
+    "rollout/kv_over_budget_max",
+    "compaction/event_time_max_s",
+)
 
 
 def env_reward(completions: list, env_reward: list[float], **kwargs: Any) -> list[float]:
@@ -120,6 +126,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
         # rollouts so far in the current (mode, global step): with the step, the seed key of a round
         self._round_key: tuple[str, int] = ("", -1)
         self._round_in_step = 0
+        self._warned_overshoot = False
         self._generation_step = -1
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
@@ -180,8 +187,13 @@ class CompactionGRPOTrainer(GRPOTrainer):
         trajectories = self.rollouts.run(specs)
         self._rollout_trajectories = trajectories
         self._active = trajectories  # the old/reference log-prob passes inside super() replay these
-        for key, value in rollout_metrics(trajectories).items():
+        compaction = self.rollouts.compaction
+        for key, value in rollout_metrics(trajectories, compaction.max_kv_len).items():
             self._metrics[mode][key].append(value)
+        reason = budget_overshoot_reason(trajectories, compaction)
+        if reason is not None and not self._warned_overshoot:
+            logger.warning("%s (logged once; rollout/kv_over_budget tracks it)", reason)
+            self._warned_overshoot = True
         return rollout_batch(trajectories)
 
     def _rollout_round_key(self, mode: str) -> tuple[int, int, int]:
