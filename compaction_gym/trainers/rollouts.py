@@ -56,8 +56,13 @@ class EpisodeSpec:
     sampling_seed: int | None = None
 
 
-def resolve_envs(envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None) -> dict[str, EnvFactory]:
+def resolve_envs(
+    envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None, *, prompt_format: str | None = None
+) -> dict[str, EnvFactory]:
     """Env factories by key: ``"A-v0"`` / ``"A-v0,B-v0"`` (ids), a factory (key ``"env"``), or a mapping.
+
+    With ``prompt_format``, BabyAI ids get that format's ``action_parsing`` (``reasoning`` → ``tag``)
+    unless ``env_kwargs`` sets it, as ``compaction-gym eval`` does; factories are used as given.
 
     Raises:
         InvalidArgumentError: an unknown env id, or nothing given.
@@ -65,12 +70,18 @@ def resolve_envs(envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None) ->
     kwargs = dict(env_kwargs or {})
 
     def from_id(env_id: str) -> EnvFactory:
+        from compaction_gym.agents.evaluate import is_babyai
+        from compaction_gym.agents.prompts import PROMPT_FORMATS
+
         if env_id not in gym.registry:
             raise InvalidArgumentError(
                 f"unknown env id {env_id!r}; registered AttnMatch ids: "
                 f"{sorted(i for i in gym.registry if i.startswith('AttnMatch'))}"
             )
-        return lambda: gym.make(env_id, **kwargs)
+        made = dict(kwargs)
+        if prompt_format in PROMPT_FORMATS and is_babyai(env_id):
+            made.setdefault("action_parsing", PROMPT_FORMATS[prompt_format].action_parsing)
+        return lambda: gym.make(env_id, **made)
 
     if isinstance(envs, str):
         ids = [e.strip() for e in envs.split(",") if e.strip()]
@@ -149,7 +160,7 @@ class EnvRollouts:
         fast: bool | None = False,
         model_name: str | None = None,
     ) -> None:
-        self.envs = resolve_envs(envs, env_kwargs)
+        self.envs = resolve_envs(envs, env_kwargs, prompt_format=prompt if isinstance(prompt, str) else None)
         self.model = unwrap(model)
         self.tokenizer = tokenizer
         self.compaction = compaction if compaction is not None else CompactionConfig()

@@ -156,13 +156,6 @@ def test_grpo_cli_lora_reference_and_old_logprobs(tiny_model_path, tmp_path, cap
     assert (out / "adapter_config.json").exists()
 
 
-def test_grpo_cli_modes_are_the_engines():
-    from compaction_gym.engine.config import COMPACTION_MODES
-    from compaction_gym.trainers.grpo.cli import COMPACTION_MODES as CLI_MODES
-
-    assert CLI_MODES == COMPACTION_MODES
-
-
 def test_config_validation(tmp_path):
     from compaction_gym.trainers.grpo.grpo_config import CompactionGRPOConfig
 

@@ -240,7 +240,7 @@ def test_cli_train_sft(tmp_path, tiny_model_path, demonstrations, capsys):
     assert "--dataset nope.jsonl: no such file or directory" in capsys.readouterr().err
 
     assert (
-        main(["train", "sft", "--config", str(config), "--max-steps", "1", "--no-tree", "--dtype", "float64"])
+        main(["train", "sft", "--config", str(config), "--max-steps", "1", "--tree-mode", "per_branch", "--dtype", "float64"])
         == 0
     )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

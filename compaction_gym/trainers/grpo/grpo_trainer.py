@@ -116,7 +116,9 @@ class CompactionGRPOTrainer(GRPOTrainer):
             args = CompactionGRPOConfig("compaction-grpo")
         if not isinstance(args, CompactionGRPOConfig):
             raise InvalidArgumentError(f"args must be a CompactionGRPOConfig, got {type(args).__name__}")
-        self._env_factories = resolve_envs(env if env is not None else args.env_id, args.env_kwargs)
+        self._env_factories = resolve_envs(
+            env if env is not None else args.env_id, args.env_kwargs, prompt_format=args.prompt_format
+        )
         if train_dataset is None:
             train_dataset = episode_dataset(list(self._env_factories), args.num_episodes, args.episode_seed)
         self._active: list[Trajectory] | None = None  # trajectories of the log-prob pass in progress
