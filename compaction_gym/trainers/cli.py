@@ -205,6 +205,9 @@ def build_parser(cmd: TrainCommand) -> _Parser:
     for action in parser._actions:
         if action.dest in config_names:
             action.default = argparse.SUPPRESS
+            if getattr(action.type, "__name__", "") == "string_to_bool" and action.nargs is None:
+                # `bool | None` fields (TRL's bf16, tf32): a bare `--bf16` means true, as for plain bools
+                action.nargs, action.const = "?", True
             if action.dest in cmd.defaults:
                 action.help = f"{action.help or ''} (this command's default: {cmd.defaults[action.dest]!r})"
     script_group = parser.add_argument_group(f"compaction-gym train {cmd.name}")

@@ -43,6 +43,7 @@ def test_trl_flags_in_both_spellings_and_the_toml_layers(tmp_path):
     a = _merged("grpo", ["--model", "m", "--per_device_train_batch_size", "2", "--bf16", "false"])[1]
     b = _merged("grpo", ["--model", "m", "--per-device-train-batch-size", "2", "--bf16", "false"])[1]
     assert a == b and a["per_device_train_batch_size"] == 2 and a["bf16"] is False
+    assert _merged("sft", ["--model", "m", "--bf16"])[1]["bf16"] is True  # bare, as for plain bool flags
     toml = tmp_path / "g.toml"
     toml.write_text(
         'model = "m"\nenv = "AttnMatch-BabyAI-GoTo-v0"\nlearning_rate = 0.5\nmax_kv_len = 300\n'
