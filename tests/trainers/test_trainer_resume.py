@@ -1,4 +1,4 @@
-"""Resume is faithful: a run resumed from a checkpoint ends with the same parameters (and, for GJS, the
+"""Resume is faithful (GRPO, GJS, tree SFT): a run resumed from a checkpoint ends with the same parameters (and, for GJS, the
 same EMA teacher) as the uninterrupted run — sampling seeds and teacher state come back with the
 checkpoint (docs/grpo.md and docs/gjs.md, "Checkpoints and resume")."""
 
@@ -105,3 +105,37 @@ def test_gjs_resumed_run_restores_the_ema_teacher(tiny_model_path, tmp_path):
     assert _moved(full.teacher_model, tiny_model_path) > 1e-4  # the teacher did move off the initial weights
     assert _max_diff(full.model, resumed.model) <= 1e-6
     assert _max_diff(full.teacher_model, resumed.teacher_model) <= 1e-6
+
+
+def test_tree_sft_resumed_run_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
+    """Tree SFT with AdamW, a cosine schedule and shuffled trees: resumed from step 2 of 4."""
+    import random
+
+    from tree_helpers import random_tree
+
+    from compaction_gym.trainers.tree_sft import pack_tree
+    from compaction_gym.trainers.tree_sft.tree_sft_config import TreeSFTConfig
+    from compaction_gym.trainers.tree_sft.tree_sft_trainer import TreeSFTTrainer
+
+    rng = random.Random(0)
+    trees = [random_tree(rng, 200, max_nodes=6, max_len=6) for _ in range(12)]
+    trees = [t for t in trees if pack_tree(t).target_index.numel() > 0][:8]
+    assert len(trees) == 8
+
+    def run(name: str, resume: str | None = None):
+        args = TreeSFTConfig(
+            str(tmp_path / name), use_cpu=True, bf16=False, report_to="none", max_steps=4,
+            gradient_accumulation_steps=2, learning_rate=1e-2, lr_scheduler_type="cosine", save_strategy="steps",
+            save_steps=1, disable_tqdm=True, seed=5, max_length=None,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        trainer = TreeSFTTrainer(
+            model, args, train_dataset=trees, processing_class=AutoTokenizer.from_pretrained(tiny_model_path)
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("a")
+    resumed = run("b", resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert _moved(full.model, tiny_model_path) > 1e-3
+    assert _max_diff(full.model, resumed.model) <= 1e-6
