@@ -1,6 +1,6 @@
-"""Resume is faithful (GRPO, GJS, tree SFT): a run resumed from a checkpoint ends with the same parameters (and, for GJS, the
-same EMA teacher) as the uninterrupted run — sampling seeds and teacher state come back with the
-checkpoint (docs/grpo.md and docs/gjs.md, "Checkpoints and resume")."""
+"""Resume is faithful (GRPO, GJS, tree SFT): a run resumed from a checkpoint ends with the same
+parameters (and, for GJS, the same EMA teacher) as the uninterrupted run — sampling seeds and
+teacher state come back with the checkpoint (docs/grpo.md and docs/gjs.md, "Checkpoints and resume")."""
 
 from __future__ import annotations
 
