@@ -318,6 +318,19 @@ def _offline_push(training: dict[str, Any]) -> str | None:
     return None
 
 
+def _is_hub_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a network or Hub error (not a training bug)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        module = type(seen).__module__.split(".")[0]
+        if isinstance(seen, ConnectionError) or module in ("httpx", "httpx2", "httpcore", "requests", "urllib3"):
+            return True
+        if module == "huggingface_hub":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def run_command(name: str, argv: Sequence[str]) -> int:
     """Parse ``argv`` for ``compaction-gym train NAME``, build the model and trainer config, train.
 
@@ -349,7 +362,18 @@ def run_command(name: str, argv: Sequence[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name))
     main: Callable[..., Any] = _load(cmd.main)
-    summary = main(script, config, model, tokenizer, peft_config)
+    try:
+        summary = main(script, config, model, tokenizer, peft_config)
+    except Exception as exc:
+        if not (config.push_to_hub and _is_hub_error(exc)):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(
+            f"{prog}: push_to_hub failed, the Hugging Face Hub is unreachable ({type(exc).__name__}: {first}); "
+            "pass --push_to_hub false, or set HF_HUB_OFFLINE=1 to train without pushing",
+            file=sys.stderr,
+        )
+        return 1
     if isinstance(summary, int):
         return summary
     print(json.dumps(summary))

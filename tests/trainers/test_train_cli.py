@@ -129,3 +129,24 @@ def test_prompt_format_defaults_and_reasoning_action_parsing():
     envs["AttnMatch-Math-v0"]().close()  # non-BabyAI ids get no action_parsing
     kept = resolve_envs("AttnMatch-BabyAI-GoTo-v0", {"action_parsing": "lenient"}, prompt_format="reasoning")
     assert kept["AttnMatch-BabyAI-GoTo-v0"]().unwrapped.action_parsing == "lenient"
+
+
+def test_unreachable_hub_is_one_line(tmp_path, capsys, monkeypatch):
+    """--push_to_hub with the Hub unreachable (simulated: no network in tests) ends in one line."""
+    import transformers
+    from huggingface_hub import constants
+
+    from compaction_gym.cli import main
+    from compaction_gym.trainers.tree_sft import Tree, TreeNode
+
+    def unreachable(self, *args, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(transformers.Trainer, "init_hf_repo", unreachable)
+    data = tmp_path / "trees.jsonl"
+    data.write_text(json.dumps(Tree([TreeNode(-1, [5, 6, 7]), TreeNode(0, [8])]).to_dict()) + "\n")
+    argv = ["train", "sft", "--model", "tiny-random", "--dataset", str(data), "--max_steps", "1"]
+    assert main([*argv, "--output_dir", str(tmp_path / "o"), "--push_to_hub", "true", "--report_to", "none"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("push_to_hub failed") == 1 and "Traceback" not in err
