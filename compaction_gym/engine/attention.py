@@ -58,6 +58,9 @@ def slot_attention(
         mask = beta if mask is None else mask + beta
     # promote, never downcast (float64 models stay float64)
     compute = torch.promote_types(mask.dtype, query.dtype) if mask is not None else None
+    if ctx.use_beta:  # β keeps float32 even under a trainer's autocast, as replay's attention does
+        with torch.autocast(query.device.type, enabled=False):
+            return grouped_sdpa(query, key, value, mask, scaling=scaling, compute_dtype=compute), None
     return grouped_sdpa(query, key, value, mask, scaling=scaling, compute_dtype=compute), None
 
 

@@ -112,6 +112,9 @@ class SlotKVCache:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext) -> None:
         """Scatter the real new tokens of ``key``/``value`` ``[B, H_kv, N, d]`` into their rows."""
         k_layer, v_layer = self.k[:, layer], self.v[:, layer]
+        # Under a trainer's autocast (bf16 mixed precision on a float32 model) the projections come out
+        # in bfloat16: store them in the cache's dtype (exact for a wider cache), as replay keeps them.
+        key, value = key.to(k_layer.dtype), value.to(v_layer.dtype)
         if ctx.slot_range is not None and ctx.uniform_row is not None:  # decode, equal lengths: slices
             a, b = ctx.slot_range
             k_layer[a:b, :, ctx.uniform_row] = key[:, :, -1]

@@ -56,8 +56,13 @@ class EpisodeSpec:
     sampling_seed: int | None = None
 
 
-def resolve_envs(envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None) -> dict[str, EnvFactory]:
+def resolve_envs(
+    envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None, *, prompt_format: str | None = None
+) -> dict[str, EnvFactory]:
     """Env factories by key: ``"A-v0"`` / ``"A-v0,B-v0"`` (ids), a factory (key ``"env"``), or a mapping.
+
+    With ``prompt_format``, BabyAI ids get that format's ``action_parsing`` (``reasoning`` → ``tag``)
+    unless ``env_kwargs`` sets it, as ``compaction-gym eval`` does; factories are used as given.
 
     Raises:
         InvalidArgumentError: an unknown env id, or nothing given.
@@ -65,12 +70,18 @@ def resolve_envs(envs: EnvsLike, env_kwargs: Mapping[str, Any] | None = None) ->
     kwargs = dict(env_kwargs or {})
 
     def from_id(env_id: str) -> EnvFactory:
+        from compaction_gym.agents.evaluate import is_babyai
+        from compaction_gym.agents.prompts import PROMPT_FORMATS
+
         if env_id not in gym.registry:
             raise InvalidArgumentError(
                 f"unknown env id {env_id!r}; registered AttnMatch ids: "
                 f"{sorted(i for i in gym.registry if i.startswith('AttnMatch'))}"
             )
-        return lambda: gym.make(env_id, **kwargs)
+        made = dict(kwargs)
+        if prompt_format in PROMPT_FORMATS and is_babyai(env_id):
+            made.setdefault("action_parsing", PROMPT_FORMATS[prompt_format].action_parsing)
+        return lambda: gym.make(env_id, **made)
 
     if isinstance(envs, str):
         ids = [e.strip() for e in envs.split(",") if e.strip()]
@@ -149,7 +160,7 @@ class EnvRollouts:
         fast: bool | None = False,
         model_name: str | None = None,
     ) -> None:
-        self.envs = resolve_envs(envs, env_kwargs)
+        self.envs = resolve_envs(envs, env_kwargs, prompt_format=prompt if isinstance(prompt, str) else None)
         self.model = unwrap(model)
         self.tokenizer = tokenizer
         self.compaction = compaction if compaction is not None else CompactionConfig()
@@ -264,20 +275,86 @@ def rollout_batch(trajectories: Sequence[Trajectory]) -> dict[str, list]:
     return out
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Per-batch means: success, reward, turns, sampled tokens, compaction events, peak KV, aborted."""
+def rollout_metrics(trajectories: Sequence[Trajectory], max_kv_len: int | None = None) -> dict[str, float]:
+    """One rollout batch's metrics (TensorBoard keys; means over episodes or events unless named max).
+
+    ``rollout/*``: success, reward, turns, sampled tokens, tokens, compaction events, peak KV length
+    (mean and ``rollout/peak_kv_len_max``), aborted episodes; with ``max_kv_len`` also
+    ``rollout/kv_over_budget`` (mean of ``max(0, peak − max_kv_len)``) and
+    ``rollout/kv_over_budget_max``.
+
+    ``compaction/*`` (per event, only when the batch has events): ``kv_len_before``,
+    ``kv_len_after``, ``kept_fraction`` (``kv_len_after / kv_len_before``), ``span_kept_fraction``
+    (kept rows / span rows), ``event_time_s`` (the event's ``timings["total"]``) and
+    ``event_time_max_s``.
+    """
     n = max(1, len(trajectories))
 
     def mean(values: Sequence[float]) -> float:
         return float(sum(values)) / n
 
-    return {
+    peaks = [t.peak_kv_len for t in trajectories]
+    out = {
         "rollout/success": mean([t.success for t in trajectories]),
         "rollout/env_reward": mean([t.total_reward for t in trajectories]),
         "rollout/turns": mean([len(t.turns) for t in trajectories]),
         "rollout/sampled_tokens": mean([t.num_generated for t in trajectories]),
         "rollout/tokens": mean([t.num_tokens for t in trajectories]),
         "rollout/compaction_events": mean([len(t.events) for t in trajectories]),
-        "rollout/peak_kv_len": mean([t.peak_kv_len for t in trajectories]),
+        "rollout/peak_kv_len": mean(peaks),
+        "rollout/peak_kv_len_max": float(max(peaks, default=0)),
         "rollout/aborted": mean([bool(t.info.get("aborted")) for t in trajectories]),
     }
+    if max_kv_len is not None:
+        over = [max(0, p - max_kv_len) for p in peaks]
+        out["rollout/kv_over_budget"] = mean(over)
+        out["rollout/kv_over_budget_max"] = float(max(over, default=0))
+    events = [e for t in trajectories for e in t.events]
+    if events:
+        m = len(events)
+        times = [float(e.timings.get("total", sum(e.timings.values()))) for e in events]
+        out.update(
+            {
+                "compaction/kv_len_before": sum(e.kv_len_before for e in events) / m,
+                "compaction/kv_len_after": sum(e.kv_len_after for e in events) / m,
+                "compaction/kept_fraction": sum(e.kv_len_after / max(1, e.kv_len_before) for e in events) / m,
+                "compaction/span_kept_fraction": sum(
+                    e.target / max(1, e.span[1] - e.span[0]) for e in events
+                )
+                / m,
+                "compaction/event_time_s": sum(times) / m,
+                "compaction/event_time_max_s": max(times),
+            }
+        )
+    return out
+
+
+def budget_overshoot_reason(trajectories: Sequence[Trajectory], compaction: CompactionConfig) -> str | None:
+    """Why a batch's peak KV length exceeded ``max_kv_len``, or ``None`` when it did not.
+
+    The engine compacts rows ``[P, P + compact_window)`` after the protected prompt (``P`` rows) and
+    skips an event while fewer than ``compact_window`` rows follow the prompt (docs/engine.md,
+    "Triggers"). So when ``P + compact_window > max_kv_len`` the budget cannot hold: after an event
+    the cache is ``P + ⌊window·ratio⌋ + …`` rows, and it grows past ``max_kv_len`` until ``window``
+    rows follow the prompt again. Otherwise only a step input that does not fit even after
+    compaction is fed whole (at most that input over the budget).
+    """
+    limit = compaction.max_kv_len
+    if limit is None or compaction.turn_based or not trajectories:
+        return None
+    worst = max(trajectories, key=lambda t: t.peak_kv_len)
+    if worst.peak_kv_len <= limit:
+        return None
+    window = compaction.compact_window or limit // 2
+    prompt = worst.prompt_len if compaction.protect_prompt else 0
+    if prompt + window > limit:
+        return (
+            f"peak KV length {worst.peak_kv_len} > max_kv_len {limit}: the protected prompt ({prompt} tokens) plus "
+            f"compact_window ({window}) exceeds max_kv_len, so events wait until {window} rows follow the prompt "
+            f"(the cache reaches {prompt + window} rows and more); raise max_kv_len to at least prompt + window + "
+            "a turn's tokens, or lower compact_window"
+        )
+    return (
+        f"peak KV length {worst.peak_kv_len} > max_kv_len {limit}: a step input that does not fit even after "
+        "compaction is fed whole (docs/engine.md, 'Triggers'); the overshoot is at most that input"
+    )

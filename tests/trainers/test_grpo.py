@@ -89,6 +89,16 @@ def test_three_step_grpo_run(tiny_model_path, tmp_path):
     assert max(scalars["train/replay/mean_kl"]) < 1e-8
     assert min(scalars["train/rollout/compaction_events"]) >= 1
     assert scalars["train/rollout/turns"] == [3.0, 3.0, 3.0]
+    # per-event metrics, per rollout batch: the last step's equal its episodes' events
+    events = [e for t in trainer._rollout_trajectories for e in t.events]
+    assert scalars["train/compaction/kv_len_before"][-1] == pytest.approx(
+        sum(e.kv_len_before for e in events) / len(events), rel=1e-6
+    )
+    assert scalars["train/compaction/kv_len_after"][-1] == pytest.approx(
+        sum(e.kv_len_after for e in events) / len(events), rel=1e-6
+    )
+    assert all(0 < f < 1 for f in scalars["train/compaction/kept_fraction"])
+    assert len(scalars["train/compaction/event_time_s"]) == 3
     assert all(torch.isfinite(torch.tensor(scalars["train/loss"])))
     assert "train/rewards/even_tokens/mean" in scalars and "train/rewards/env_reward/mean" in scalars
 
@@ -144,13 +154,6 @@ def test_grpo_cli_lora_reference_and_old_logprobs(tiny_model_path, tmp_path, cap
     assert summary["steps"] == 2
     assert summary["replay/max_abs_logprob_diff"] < 1e-4
     assert (out / "adapter_config.json").exists()
-
-
-def test_grpo_cli_modes_are_the_engines():
-    from compaction_gym.engine.config import COMPACTION_MODES
-    from compaction_gym.trainers.grpo.cli import COMPACTION_MODES as CLI_MODES
-
-    assert CLI_MODES == COMPACTION_MODES
 
 
 def test_config_validation(tmp_path):

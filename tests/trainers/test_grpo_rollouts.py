@@ -66,3 +66,53 @@ def test_resolve_envs():
     assert list(resolve_envs({"a": "AttnMatch-BabyAI-GoTo-v0", "b": lambda: None})) == ["a", "b"]
     with pytest.raises(InvalidArgumentError, match="unknown env id"):
         resolve_envs("NoSuchEnv-v0")
+
+
+def test_kv_budget_overshoot_and_per_event_metrics(tiny_model_path):
+    """The KV budget inside rollouts: with a protected prompt P and P + compact_window > max_kv_len the
+    engine cannot honour max_kv_len (events wait for ``window`` rows after the prompt); with room it
+    holds except for a step input fed whole. Per-event metrics are the events' own numbers."""
+    from compaction_gym.trainers.rollouts import budget_overshoot_reason, rollout_metrics
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    env = "AttnMatch-BabyAI-GoTo-v0"
+    specs = group_specs([(env, 0)], 2)
+
+    def play(config: CompactionConfig):
+        rollouts = EnvRollouts(
+            model, tok, env, compaction=config, sampling=SamplingParams(max_new_tokens=16),
+            env_kwargs={"max_episode_steps": 6}, max_slots=2,
+        )
+        return rollouts.run(specs)
+
+    tight = CompactionConfig(mode="attention_matching", max_kv_len=320)  # window 160
+    trajs = play(tight)
+    prompt = trajs[0].prompt_len
+    assert prompt + 160 > 320 and max(t.peak_kv_len for t in trajs) > 320
+    reason = budget_overshoot_reason(trajs, tight)
+    assert reason is not None and "compact_window (160) exceeds max_kv_len" in reason
+    events = [e for t in trajs for e in t.events]
+    assert events and all(e.span[0] == prompt and e.span[1] - e.span[0] == 160 for e in events)
+    # no event fires with fewer than `window` rows after the prompt: the cache stays above P + window·ratio
+    assert all(e.kv_len_after >= prompt + 40 for e in events)
+
+    metrics = rollout_metrics(trajs, 320)
+    m = len(events)
+    assert metrics["compaction/kv_len_before"] == pytest.approx(sum(e.kv_len_before for e in events) / m)
+    assert metrics["compaction/kv_len_after"] == pytest.approx(sum(e.kv_len_after for e in events) / m)
+    assert metrics["compaction/kept_fraction"] == pytest.approx(
+        sum(e.kv_len_after / e.kv_len_before for e in events) / m
+    )
+    assert metrics["compaction/span_kept_fraction"] == pytest.approx(40 / 160)
+    assert metrics["compaction/event_time_max_s"] == max(e.timings["total"] for e in events) > 0
+    assert metrics["rollout/kv_over_budget_max"] == max(t.peak_kv_len for t in trajs) - 320
+
+    # with room for the prompt plus a window, the budget holds up to one step input fed whole
+    roomy = CompactionConfig(mode="attention_matching", max_kv_len=prompt + 200, compact_window=100)
+    trajs = play(roomy)
+    assert any(t.events for t in trajs)
+    for t in trajs:
+        largest_input = max(turn.input_range[1] - turn.input_range[0] for turn in t.turns)
+        assert t.peak_kv_len <= roomy.max_kv_len + largest_input
+    assert budget_overshoot_reason(trajs, roomy) is None or "fed whole" in budget_overshoot_reason(trajs, roomy)

@@ -6,8 +6,8 @@ mask and positions 0..n-1; nothing of the tree code is used for it.
 
 from __future__ import annotations
 
+import logging
 import random
-import shutil
 
 import pytest
 import torch
@@ -166,20 +166,23 @@ def test_tree_loss_restores_the_attention_backend(model64, trees):
     assert abs(eager.item() - sdpa.item()) <= 1e-6 * abs(sdpa.item())
 
 
-def test_flex_attention_forward_on_cpu(tiny_model_path):
-    """FlexAttention (compiled, CPU inference) with the tree BlockMask equals SDPA with the dense mask."""
+def test_flex_attention_on_cpu_runs_sdpa_for_every_tree_shape(tiny_model_path, caplog):
+    """On CPU, ``flex_attention`` tree forwards run SDPA with the dense ancestor mask (logged once):
+    Inductor's CPU FlexAttention kernel failed to compile on the second tree shape of a process."""
     from transformers import AutoModelForCausalLM
 
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    import compaction_gym.trainers.tree_sft.loss as tree_loss_module
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    tree = random_tree(random.Random(7), model.config.vocab_size, max_nodes=9, max_len=40)
-    packed = pack_tree(tree)
-    with torch.no_grad():
-        flex = tree_forward(model, packed, attn_implementation="flex_attention")
-        sdpa = tree_forward(model, packed)
-    assert ((flex - sdpa).abs().max() / sdpa.abs().max()).item() <= 1e-4
+    tree_loss_module._warned_cpu_flex = False
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        for seed in (7, 8, 9):  # seed 8 was the shape that failed to compile
+            packed = pack_tree(random_tree(random.Random(seed), model.config.vocab_size, max_nodes=9, max_len=40))
+            flex = tree_forward(model, packed, attn_implementation="flex_attention")
+            sdpa = tree_forward(model, packed)
+            assert torch.equal(flex, sdpa)
+            assert model.config._attn_implementation == "sdpa"
+    assert caplog.text.count("flex_attention on CPU") == 1
 
 
 @pytest.mark.gpu

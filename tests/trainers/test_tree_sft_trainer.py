@@ -151,8 +151,8 @@ def test_config_validation(tmp_path):
         _config(tmp_path, "x", tree_mode="branches")
     with pytest.raises(InvalidArgumentError, match="one tree per micro-batch"):
         _config(tmp_path, "x", per_device_train_batch_size=2)
-    with pytest.raises(InvalidArgumentError, match=r"attn_implementation must be one of"):
-        _config(tmp_path, "x", attn_implementation="flash_attention_2")
+    with pytest.raises(InvalidArgumentError, match=r"tree_attn_implementation must be one of"):
+        _config(tmp_path, "x", tree_attn_implementation="flash_attention_2")
     with pytest.raises(InvalidArgumentError, match="packing and padding_free must be False"):
         _config(tmp_path, "x", packing=True)
     args = _config(tmp_path, "x", max_length=512)
@@ -184,13 +184,19 @@ def test_trainer_data_checks(tmp_path, tiny_model_path, tiny_tokenizer, caplog):
         )
     assert len(trainer.train_dataset) == 1
     assert "dropped" in caplog.text and "without a target token" in caplog.text
-    with pytest.raises(InvalidArgumentError, match="FlexAttention has no backward pass on CPU"):
-        TreeSFTTrainer(
+    import compaction_gym.trainers.tree_sft.loss as tree_loss_module
+
+    tree_loss_module._warned_cpu_flex = False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        flex = TreeSFTTrainer(  # FlexAttention on CPU: SDPA instead, with the reason logged
             model,
-            _config(tmp_path, "f", attn_implementation="flex_attention"),
+            _config(tmp_path, "f", tree_attn_implementation="flex_attention"),
             train_dataset=[short_tree],
             processing_class=tiny_tokenizer,
         )
+    assert flex._attn == "sdpa" and model.config._attn_implementation == "sdpa"
+    assert "flex_attention on CPU" in caplog.text and "using sdpa" in caplog.text
     with pytest.raises(InvalidArgumentError, match="lacks tree columns"):
         from datasets import Dataset
 
@@ -234,7 +240,7 @@ def test_cli_train_sft(tmp_path, tiny_model_path, demonstrations, capsys):
     assert "--dataset nope.jsonl: no such file or directory" in capsys.readouterr().err
 
     assert (
-        main(["train", "sft", "--config", str(config), "--max-steps", "1", "--no-tree", "--dtype", "float64"])
+        main(["train", "sft", "--config", str(config), "--max-steps", "1", "--tree-mode", "per_branch", "--dtype", "float64"])
         == 0
     )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

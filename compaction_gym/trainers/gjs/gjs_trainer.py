@@ -23,6 +23,8 @@ Rules this file keeps (the seed broke each one, see ``docs/gjs.md``):
 from __future__ import annotations
 
 import inspect
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,11 @@ from compaction_gym.trainers.gjs.teacher import (
 )
 from compaction_gym.trainers.grpo.grpo_trainer import CompactionGRPOTrainer
 from compaction_gym.trainers.rollouts import completion_start
+
+logger = logging.getLogger(__name__)
+
+#: The EMA teacher's weights inside a checkpoint folder (restored by ``resume_from_checkpoint``).
+TEACHER_CHECKPOINT_NAME = "ema_teacher.safetensors"
 
 
 @dataclass
@@ -133,6 +140,35 @@ class GJSDistillationTrainer(CompactionGRPOTrainer):
             self.teacher_model = clone_model(self.accelerator.unwrap_model(self.model))
             self.add_callback(TeacherEMACallback(self.teacher_model, args.teacher_ema_rate, self.accelerator))
         self.last_distillation: DistillationStats | None = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Override: the EMA teacher is training state (not the model): save it beside the optimizer, so
+        # that resume_from_checkpoint restores it rather than restarting it from the policy.
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.teacher_model is not None and self.args.should_save:
+            from safetensors.torch import save_file
+
+            state = {k: v.detach().contiguous().cpu() for k, v in self.teacher_model.state_dict().items()}
+            save_file(state, os.path.join(output_dir, TEACHER_CHECKPOINT_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Override: restore the EMA teacher saved by _save_optimizer_and_scheduler.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.teacher_model is None:
+            return
+        path = os.path.join(checkpoint, TEACHER_CHECKPOINT_NAME)
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s: the EMA teacher restarts from the resumed policy's weights",
+                checkpoint,
+                TEACHER_CHECKPOINT_NAME,
+            )
+            self.teacher_model.load_state_dict(self.accelerator.unwrap_model(self.model).state_dict())
+            return
+        from safetensors.torch import load_file
+
+        self.teacher_model.load_state_dict(load_file(path, device=str(next(self.teacher_model.parameters()).device)))
 
     # ------------------------------------------------------------------ the teacher's batch
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:

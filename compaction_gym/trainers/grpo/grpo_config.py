@@ -9,6 +9,7 @@ from trl import GRPOConfig
 from compaction_gym.agents.prompts import PROMPT_FORMATS
 from compaction_gym.engine import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.devices import use_cpu_without_accelerator
 
 
 @dataclass
@@ -94,7 +95,8 @@ class CompactionGRPOConfig(GRPOConfig):
         },
     )
     # -- defaults changed from GRPOConfig ---------------------------------------------------------
-    report_to: str | list[str] | None = field(default="tensorboard", metadata={"help": "Trackers to log to."})
+    # spelled as TrainingArguments spells it: HfArgumentParser special-cases this exact union
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "Trackers to log to."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     disable_dropout: bool = field(
         default=True,
@@ -102,6 +104,7 @@ class CompactionGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        use_cpu_without_accelerator(self)  # TRL's bf16=True default must build on CPU
         super().__post_init__()
         if self.prompt_format not in PROMPT_FORMATS:
             raise InvalidArgumentError(

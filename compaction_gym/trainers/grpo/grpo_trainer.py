@@ -34,6 +34,7 @@ from compaction_gym.trainers.rollouts import (
     EnvRollouts,
     EnvsLike,
     EpisodeSpec,
+    budget_overshoot_reason,
     completion_start,
     derive_seed,
     resolve_envs,
@@ -44,7 +45,12 @@ from compaction_gym.trainers.rollouts import (
 logger = logging.getLogger(__name__)
 
 #: Metrics reduced with ``max`` (not TRL's mean) over the micro-batches of a logging window.
-MAX_METRICS = ("replay/max_abs_logprob_diff",)
+MAX_METRICS = (
+    "replay/max_abs_logprob_diff",
+    "rollout/peak_kv_len_max",
+    "rollout/kv_over_budget_max",
+    "compaction/event_time_max_s",
+)
 
 
 def env_reward(completions: list, env_reward: list[float], **kwargs: Any) -> list[float]:
@@ -110,14 +116,19 @@ class CompactionGRPOTrainer(GRPOTrainer):
             args = CompactionGRPOConfig("compaction-grpo")
         if not isinstance(args, CompactionGRPOConfig):
             raise InvalidArgumentError(f"args must be a CompactionGRPOConfig, got {type(args).__name__}")
-        self._env_factories = resolve_envs(env if env is not None else args.env_id, args.env_kwargs)
+        self._env_factories = resolve_envs(
+            env if env is not None else args.env_id, args.env_kwargs, prompt_format=args.prompt_format
+        )
         if train_dataset is None:
             train_dataset = episode_dataset(list(self._env_factories), args.num_episodes, args.episode_seed)
         self._active: list[Trajectory] | None = None  # trajectories of the log-prob pass in progress
         self._mismatch_reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rollout_rows: list[dict] | None = None
         self._rollout_trajectories: list[Trajectory] = []
-        self._rollout_round = 0
+        # rollouts so far in the current (mode, global step): with the step, the seed key of a round
+        self._round_key: tuple[str, int] = ("", -1)
+        self._round_in_step = 0
+        self._warned_overshoot = False
         self._generation_step = -1
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
@@ -164,13 +175,12 @@ class CompactionGRPOTrainer(GRPOTrainer):
                 "CompactionGRPOTrainer's rollout function runs only inside _generate_and_score_completions"
             )
         default_env = next(iter(self._env_factories))
-        self._rollout_round += 1
+        mode = "train" if self.model.training else "eval"
+        round_key = self._rollout_round_key(mode)
         specs = []
         for i, row in enumerate(rows):
             seed = row.get("env_seed")
-            sampling_seed = derive_seed(
-                self.args.seed, self.accelerator.process_index, self._rollout_round, i
-            )
+            sampling_seed = derive_seed(self.args.seed, self.accelerator.process_index, *round_key, i)
             specs.append(
                 EpisodeSpec(
                     str(row.get("env") or default_env), None if seed is None else int(seed), sampling_seed
@@ -179,10 +189,24 @@ class CompactionGRPOTrainer(GRPOTrainer):
         trajectories = self.rollouts.run(specs)
         self._rollout_trajectories = trajectories
         self._active = trajectories  # the old/reference log-prob passes inside super() replay these
-        mode = "train" if self.model.training else "eval"
-        for key, value in rollout_metrics(trajectories).items():
+        compaction = self.rollouts.compaction
+        for key, value in rollout_metrics(trajectories, compaction.max_kv_len).items():
             self._metrics[mode][key].append(value)
+        reason = budget_overshoot_reason(trajectories, compaction)
+        if reason is not None and not self._warned_overshoot:
+            logger.warning("%s (logged once; rollout/kv_over_budget tracks it)", reason)
+            self._warned_overshoot = True
         return rollout_batch(trajectories)
+
+    def _rollout_round_key(self, mode: str) -> tuple[int, int, int]:
+        """``(mode, global step, rollout index within that step)`` as integers: the sampling seeds'
+        key. It is a function of the trainer state a checkpoint restores, so a resumed run samples
+        exactly what the uninterrupted one did (docs/grpo.md, "Checkpoints and resume")."""
+        key = (mode, self.state.global_step)
+        if key != self._round_key:
+            self._round_key, self._round_in_step = key, 0
+        self._round_in_step += 1
+        return (0 if mode == "train" else 1, self.state.global_step, self._round_in_step)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         # Override: the rollout function only receives prompts, so the rows (env, env_seed) are stashed

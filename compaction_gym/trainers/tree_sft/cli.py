@@ -4,17 +4,16 @@ chat conversations or agent trajectories.
 Example::
 
     compaction-gym train sft --model path/to/model --dataset demos.jsonl --group-size 4 \\
-        --attn flex_attention --seq-len 8192 --max-packed-tokens 32768 --output-dir runs/tree-sft
+        --tree-attn-implementation flex_attention --seq-len 8192 --max-packed-tokens 32768 --output-dir runs/tree-sft
     compaction-gym train sft --config sft.toml --max-steps 10   # flags override the file
 
-The TOML file holds any of the flags' names (``model = "..."``, ``seq_len = 8192``) and an optional
-``[training]`` table passed straight to :class:`~compaction_gym.trainers.tree_sft.TreeSFTConfig`
-(``learning_rate``, ``warmup_steps``, ...).
+Built by :mod:`compaction_gym.trainers.cli` from :class:`TreeSFTScriptArguments` and
+:class:`~compaction_gym.trainers.tree_sft.TreeSFTConfig` (every TRL/HF flag; ``attn`` and
+``normalizer`` are accepted for ``tree_attn_implementation`` and ``loss_normalizer``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -22,23 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.cli_args import (
-    add_dataclass_arguments,
-    add_script_command,
-    load_script_arguments,
-    run_script,
-    script_parser,
-)
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.cli import TrainScriptArguments
+from compaction_gym.trainers.cli import cli as _cli
 
 DATASET_FORMATS = ("auto", "tree", "chat", "trajectory")
 
 
 @dataclass
-class TreeSFTScriptArguments:
-    """Arguments of ``compaction-gym train sft`` (also the keys of its ``--config`` TOML file)."""
+class TreeSFTScriptArguments(TrainScriptArguments):
+    """Script arguments of ``compaction-gym train sft`` (besides the TreeSFTConfig's)."""
 
-    model: str | None = field(default=None, metadata={"help": "model path or hub id (required)"})
     dataset: list[str] | None = field(
         default=None,
         metadata={
@@ -63,16 +56,6 @@ class TreeSFTScriptArguments:
             "choices": ("outputs", "sampled"),
         },
     )
-    tree: bool = field(default=True, metadata={"help": "tree packing (--no-tree: the per-branch baseline)"})
-    attn: str = field(
-        default="sdpa",
-        metadata={"help": "attention backend", "choices": ("sdpa", "flex_attention", "eager")},
-    )
-    normalizer: str = field(
-        default="token", metadata={"help": "loss normaliser", "choices": ("token", "sequence")}
-    )
-    seq_len: int | None = field(default=None, metadata={"help": "cap on the longest root→leaf path"})
-    max_packed_tokens: int | None = field(default=None, metadata={"help": "cap on the packed tree"})
     select_top: int | None = field(
         default=None, metadata={"help": "keep the N trees with the highest --selection-metric"}
     )
@@ -80,61 +63,16 @@ class TreeSFTScriptArguments:
         default="branching_score", metadata={"help": "tree_stats column used by --select-top"}
     )
     num_proc: int | None = field(default=None, metadata={"help": "datasets.map workers for tree stats"})
-    output_dir: str = field(default="runs/tree-sft", metadata={"help": "checkpoints and logs"})
-    max_steps: int = field(default=-1, metadata={"help": "optimizer steps (-1: use --num-train-epochs)"})
-    num_train_epochs: float = field(default=1.0, metadata={"help": "epochs over the trees"})
-    learning_rate: float = field(default=1e-5, metadata={"help": "peak learning rate"})
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "trees per optimizer step per rank"}
-    )
-    logging_steps: int = field(default=1, metadata={"help": "log every N steps"})
-    seed: int = field(default=0, metadata={"help": "training seed"})
-    dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "model weights dtype (auto: bfloat16 on CUDA, float32 on CPU)",
-            "choices": ("auto", "float32", "bfloat16", "float16", "float64"),
-        },
-    )
-    report_to: str = field(default="none", metadata={"help": "trackers (none, tensorboard, wandb, ...)"})
-    save: bool = field(default=True, metadata={"help": "save the final model to --output-dir"})
     dry_run: bool = field(default=False, metadata={"help": "build and summarise the trees, do not train"})
-    training: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "TOML only: extra TreeSFTConfig fields"}
-    )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per :class:`TreeSFTScriptArguments` field (plus ``--config``)."""
-    add_dataclass_arguments(parser, TreeSFTScriptArguments, skip=("training",))
-
-
-def parse_script_arguments(args: argparse.Namespace) -> TreeSFTScriptArguments:
-    """Merge defaults < ``--config`` TOML < command-line flags into :class:`TreeSFTScriptArguments`."""
-    script = load_script_arguments(
-        TreeSFTScriptArguments,
-        args,
-        required=("model", "dataset"),
-        hint="TreeSFTConfig fields go in a [training] table",
-    )
+def prepare(script: TreeSFTScriptArguments, training: dict[str, Any]) -> None:
+    """Check the data options before anything is loaded."""
     if script.group_size < 1:
         raise InvalidArgumentError(f"--group-size must be >= 1, got {script.group_size}")
     missing = [str(p) for p in dataset_paths(script.dataset) if not p.exists()]
     if missing:
         raise InvalidArgumentError(f"--dataset {' '.join(missing)}: no such file or directory")
-    return script
-
-
-def register_train(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``sft`` to ``compaction-gym train``."""
-    add_script_command(
-        subparsers,
-        "sft",
-        help="tree-packed SFT (exactly per-branch training, one forward per tree)",
-        doc=__doc__,
-        add_arguments=add_arguments,
-        run=run,
-    )
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -230,26 +168,17 @@ def load_tree_dataset(script: TreeSFTScriptArguments, tokenizer=None):
 
 
 # -- command -----------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``compaction-gym train sft``."""
-    return run_script("compaction-gym train sft", args, parse_script_arguments, main)
-
-
-def main(script: TreeSFTScriptArguments) -> int:
-    """Build the trees, then train (or summarise them with ``dry_run``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def main(script: TreeSFTScriptArguments, config: Any, model: Any, tokenizer: Any, peft_config: Any) -> dict:
+    """Build the trees (printing their summary), then train unless ``dry_run``."""
     from compaction_gym.trainers.tree_sft.builders import add_tree_stats, select_trees
 
-    tokenizer = AutoTokenizer.from_pretrained(script.model)
     dataset = load_tree_dataset(script, tokenizer)
     dataset = add_tree_stats(dataset, num_proc=script.num_proc)
     if script.select_top is not None:
         dataset = select_trees(
             dataset,
-            seq_len=script.seq_len,
-            max_packed_tokens=script.max_packed_tokens,
+            seq_len=config.seq_len,
+            max_packed_tokens=config.max_packed_tokens,
             metric=script.selection_metric,
             max_examples=script.select_top,
             num_proc=script.num_proc,
@@ -265,49 +194,20 @@ def main(script: TreeSFTScriptArguments) -> int:
     if script.dry_run:
         return 0
 
-    from compaction_gym.trainers import TreeSFTConfig, TreeSFTTrainer
+    from compaction_gym.trainers import TreeSFTTrainer
 
-    cuda = torch.cuda.is_available()
-    dtype_name = script.dtype if script.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    model = AutoModelForCausalLM.from_pretrained(script.model, dtype=getattr(torch, dtype_name))
-    training = {
-        "output_dir": script.output_dir,
-        "tree_mode": "tree" if script.tree else "per_branch",
-        "attn_implementation": script.attn,
-        "loss_normalizer": script.normalizer,
-        "seq_len": script.seq_len,
-        "max_packed_tokens": script.max_packed_tokens,
-        "max_steps": script.max_steps,
-        "num_train_epochs": script.num_train_epochs,
-        "learning_rate": script.learning_rate,
-        "gradient_accumulation_steps": script.gradient_accumulation_steps,
-        "logging_steps": script.logging_steps,
-        "seed": script.seed,
-        "report_to": script.report_to,
-        "save_strategy": "no",
-        "bf16": dtype_name == "bfloat16" and cuda,
-        "use_cpu": not cuda,
-        **script.training,
-    }
-    if script.seq_len is None:
-        training.setdefault("max_length", None)  # TreeSFTConfig caps paths at max_length: none unless asked
     trainer = TreeSFTTrainer(
-        model, TreeSFTConfig(**training), train_dataset=dataset, processing_class=tokenizer
+        model, config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     if script.save:
-        trainer.save_model(script.output_dir)
-    print(json.dumps({"train_loss": result.training_loss, "steps": result.global_step}))
-    return 0
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """A standalone parser (``python -m compaction_gym.trainers.tree_sft.cli``)."""
-    return script_parser("compaction-gym train sft", __doc__, add_arguments)
+        trainer.save_model(config.output_dir)
+    return {"train_loss": result.training_loss, "steps": result.global_step}
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    return run(make_parser().parse_args(argv))
+    """``python -m compaction_gym.trainers.tree_sft.cli ...``."""
+    return _cli("sft", argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ which equals the token-mean loss of training on the K root→leaf branches separ
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,29 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 REDUCTIONS = ("mean", "sum")
+
+logger = logging.getLogger(__name__)
+
+#: Why FlexAttention is not run on CPU (logged once per process when it is replaced by SDPA).
+CPU_FLEX_REASON = (
+    "flex_attention on CPU compiles a C++ kernel per tree shape with Inductor, which fails for some "
+    "shapes (a CppCompileError on the second tree in a process) and has no backward pass; using sdpa "
+    "(the dense ancestor mask: the same attention, exactly)"
+)
+_warned_cpu_flex = False
+
+
+def effective_attn_implementation(attn_implementation: str, device: torch.device | str) -> str:
+    """The backend a tree forward really uses on ``device``: ``flex_attention`` becomes ``sdpa`` on CPU
+    (logged once, with :data:`CPU_FLEX_REASON`); anything else is returned unchanged."""
+    global _warned_cpu_flex
+    check_attn_implementation(attn_implementation)
+    if attn_implementation == "flex_attention" and torch.device(device).type == "cpu":
+        if not _warned_cpu_flex:
+            logger.warning(CPU_FLEX_REASON)
+            _warned_cpu_flex = True
+        return "sdpa"
+    return attn_implementation
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -125,10 +149,12 @@ def tree_forward(
     """Logits of one packed tree: ``[N, V]``, or ``[len(logits_to_keep), V]`` at those packed rows.
 
     The model gets depth ``position_ids`` and a 4-D ancestor mask (a ``BlockMask`` for
-    ``flex_attention``), which transformers passes to the attention function unchanged.
+    ``flex_attention``), which transformers passes to the attention function unchanged. On CPU
+    ``flex_attention`` runs as ``sdpa`` (:func:`effective_attn_implementation`).
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    attn_implementation = effective_attn_implementation(attn_implementation, device)
     inputs = packed.model_inputs(attn_implementation, device=device, dtype=dtype)
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep.to(device)}
     with attn_implementation_of(model, attn_implementation):

@@ -8,6 +8,7 @@ from typing import Any
 from trl import SFTConfig
 
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.devices import use_cpu_without_accelerator
 from compaction_gym.trainers.tree_sft.packing import ATTN_IMPLEMENTATIONS, NORMALIZERS
 
 TREE_MODES = ("tree", "per_branch")
@@ -23,7 +24,7 @@ class TreeSFTConfig(SFTConfig):
     ``per_device_train_batch_size`` is 1, use ``gradient_accumulation_steps`` for more trees per step.
 
     Example:
-        >>> args = TreeSFTConfig("out", attn_implementation="flex_attention", seq_len=8192,
+        >>> args = TreeSFTConfig("out", tree_attn_implementation="flex_attention", seq_len=8192,
         ...                      max_packed_tokens=32768, gradient_accumulation_steps=4)  # doctest: +SKIP
     """
 
@@ -36,7 +37,7 @@ class TreeSFTConfig(SFTConfig):
             "choices": list(TREE_MODES),
         },
     )
-    attn_implementation: str = field(
+    tree_attn_implementation: str = field(
         default="sdpa",
         metadata={
             "help": "Attention backend the model is switched to: 'sdpa' (dense N×N ancestor mask), "
@@ -87,10 +88,11 @@ class TreeSFTConfig(SFTConfig):
     )
 
     def __post_init__(self) -> None:
+        use_cpu_without_accelerator(self)  # TRL's bf16=True default must build on CPU
         super().__post_init__()
         for name, valid in (
             ("tree_mode", TREE_MODES),
-            ("attn_implementation", ATTN_IMPLEMENTATIONS),
+            ("tree_attn_implementation", ATTN_IMPLEMENTATIONS),
             ("loss_normalizer", NORMALIZERS),
             ("overlong_trees", OVERLONG_POLICIES),
         ):

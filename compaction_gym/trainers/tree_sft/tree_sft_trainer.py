@@ -20,7 +20,12 @@ from trl import SFTTrainer
 
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.tree_sft.builders import add_tree_stats, trees_to_dataset
-from compaction_gym.trainers.tree_sft.loss import branch_batch, branch_nll_loss, tree_nll_loss
+from compaction_gym.trainers.tree_sft.loss import (
+    branch_batch,
+    branch_nll_loss,
+    effective_attn_implementation,
+    tree_nll_loss,
+)
 from compaction_gym.trainers.tree_sft.masks import set_block_mask_cache_size
 from compaction_gym.trainers.tree_sft.packing import NORMALIZERS, pack_tree
 from compaction_gym.trainers.tree_sft.tree import Tree
@@ -149,14 +154,11 @@ class TreeSFTTrainer(SFTTrainer):
                 "TreeSFTTrainer does not support DataParallel (several GPUs in one process); launch one process "
                 "per GPU with torchrun or accelerate"
             )
-        if args.attn_implementation == "flex_attention" and self.args.device.type == "cpu":
-            raise InvalidArgumentError(
-                "FlexAttention has no backward pass on CPU; train with attn_implementation='sdpa' there "
-                "(flex_attention is for CUDA)"
-            )
+        # FlexAttention on CPU: SDPA instead, with the reason logged (docs/tree-sft.md, "CPU")
+        self._attn = effective_attn_implementation(args.tree_attn_implementation, self.args.device)
         base = self.accelerator.unwrap_model(self.model)
-        if base.config._attn_implementation != args.attn_implementation:
-            base.set_attn_implementation(args.attn_implementation)
+        if base.config._attn_implementation != self._attn:
+            base.set_attn_implementation(self._attn)
 
     # -- data ----------------------------------------------------------------------------------
     @staticmethod
@@ -247,7 +249,7 @@ class TreeSFTTrainer(SFTTrainer):
         packed = inputs["tree"]
         device = inputs["input_ids"].device
         mask = packed.attention_mask(
-            self.args.attn_implementation, device=device, dtype=self._compute_dtype()
+            self._attn, device=device, dtype=self._compute_dtype()
         )
         sources = packed.source_index.to(device)
         logits = model(
