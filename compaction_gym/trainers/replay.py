@@ -104,7 +104,7 @@ def replay_logprobs(
     *,
     grad: bool = False,
     grad_through_compaction: bool = True,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     positions: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs of ``trajectory`` under ``model``, replaying its compaction events.
@@ -117,7 +117,9 @@ def replay_logprobs(
         grad_through_compaction: with ``grad``, let gradients flow through the compacted blocks
             (C1 = kept keys, C2 = refitted values); ``False`` detaches them.
         temperature: logits are divided by it (the sampler's temperature; with ``top_k=0`` and
-            ``top_p=1`` the result equals the engine's sampling log-probs).
+            ``top_p=1`` the result equals the engine's sampling log-probs). ``None`` (default): each
+            trajectory's own sampling temperature (``trajectory.sampling``; 1 for greedy ones, whose
+            recorded log-probs are the plain log-softmax).
         positions: logical positions to score (``>= 1``); default: the sampled tokens
             (``completion_mask == 1``).
 
@@ -153,7 +155,7 @@ def replay_logprobs_batch(
     *,
     grad: bool = False,
     grad_through_compaction: bool = True,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     positions: Sequence[Sequence[int] | None] | None = None,
     compute_entropy: bool = False,
     return_logits: bool = False,
@@ -181,8 +183,8 @@ def replay_logprobs_batch(
     Returns:
         :class:`ReplayOutput`.
     """
-    if temperature <= 0:
-        raise InvalidArgumentError(f"temperature must be > 0, got {temperature}")
+    if temperature is not None and not temperature > 0:
+        raise InvalidArgumentError(f"temperature must be > 0 (or None: each trajectory's own), got {temperature}")
     if max_tokens_per_forward < 1:
         raise InvalidArgumentError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
     if return_logits and fused_lm_head:
@@ -195,7 +197,7 @@ def replay_logprobs_batch(
     layout = ModelLayout.from_model(base)
     param = next(base.parameters())
     rows = [
-        _Row(t, None if positions is None else positions[i], layout, param.device, i)
+        _Row(t, None if positions is None else positions[i], layout, param.device, i, temperature)
         for i, t in enumerate(trajectories)
     ]
     name = register_replay_attention()
@@ -214,7 +216,7 @@ def replay_logprobs_batch(
     with torch.enable_grad() if grad else torch.no_grad(), switch:
         active = [r for r in rows if r.fed < r.end]
         while active:
-            _forward(model, active, layout, temperature, fused_lm_head, compute_entropy, return_logits,
+            _forward(model, active, layout, fused_lm_head, compute_entropy, return_logits,
                      max_tokens_per_forward)  # fmt: skip
             for row in active:
                 row.apply_due_events(grad and grad_through_compaction)
@@ -233,6 +235,14 @@ def replay_logprobs_batch(
 
 
 # --------------------------------------------------------------------------------------- rows
+def sampling_temperature(traj: Any) -> float:
+    """The temperature ``traj``'s tokens were sampled at: ``traj.sampling`` (a dict for
+    trajectories, ``SamplingParams`` for engine views); 1.0 when greedy or unknown."""
+    sampling = getattr(traj, "sampling", None)
+    value = sampling.get("temperature") if isinstance(sampling, Mapping) else getattr(sampling, "temperature", None)
+    return float(value) if value else 1.0
+
+
 def _session_config(traj: Any) -> Mapping[str, Any]:
     cfg = getattr(traj, "compaction", None)
     if isinstance(cfg, Mapping):
@@ -251,8 +261,10 @@ class _Row:
         layout: ModelLayout,
         device: torch.device,
         i: int,
+        temperature: float | None = None,
     ) -> None:
         self.tokens = [int(t) for t in traj.token_ids]
+        self.temperature = temperature if temperature is not None else sampling_temperature(traj)
         n = len(self.tokens)
         if positions is None:
             positions = [p for p, m in enumerate(traj.completion_mask) if m]
@@ -448,7 +460,6 @@ def _forward(
     model: torch.nn.Module,
     rows: list[_Row],
     layout: ModelLayout,
-    temperature: float,
     fused: bool,
     compute_entropy: bool,
     return_logits: bool,
@@ -502,7 +513,7 @@ def _forward(
             if not lab:
                 continue
             sel = logits[b, [where[c] for c, _ in lab]]
-            sel = sel.to(torch.promote_types(sel.dtype, torch.float32)) / temperature
+            sel = sel.to(torch.promote_types(sel.dtype, torch.float32)) / r.temperature
             logp = torch.log_softmax(sel, dim=-1)
             tok = torch.tensor([t for _, t in lab], device=device)
             r.scored_pos.append(torch.tensor([c for c, _ in lab], device=device) + r.fed + 1)

@@ -73,6 +73,22 @@ def test_replay_equals_rollout(engine, model, mode, trigger):
     assert model.config._attn_implementation == attn  # the model's own attention is restored
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.7])
+def test_replay_takes_each_trajectorys_own_temperature(engine, model, temperature):
+    """Without ``temperature=``, every trajectory replays at the temperature it was sampled at (greedy:
+    the plain log-softmax the engine records); a batch may mix temperatures."""
+    from replay_helpers import SAMPLING
+
+    views = [
+        plain_session(engine, config("attention_matching", "kv_budget"), seed=40 + i, sampling=SAMPLING.replace(temperature=t))
+        for i, t in enumerate((temperature, 1.3))
+    ]
+    for view, lp in zip(views, replay_logprobs_batch(model, views).logprobs, strict=True):
+        assert max_sampled_diff(lp, view) < TOL
+    if temperature not in (0.0, 1.0):
+        assert max_sampled_diff(replay_logprobs(model, views[0], temperature=1.0), views[0]) > 1e-2
+
+
 def test_replay_without_compaction(engine, model):
     view = plain_session(engine, CompactionConfig(), seed=3)
     assert not view.events
