@@ -5,8 +5,7 @@ Names are imported lazily, so ``import compaction_gym.trainers`` does not import
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from compaction_gym.lazy import lazy_exports
 
 #: public name -> module that defines it (other trainers add their entries here)
 _EXPORTS: dict[str, str] = {
@@ -41,16 +40,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'compaction_gym.trainers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
