@@ -15,7 +15,7 @@ import torch
 
 from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.beta import fit_beta
-from compaction_gym.compaction.compact import CompactionResult, compact
+from compaction_gym.compaction.compact import CompactionResult, compact, kept_rows
 from compaction_gym.compaction.modes import COMPACTION_MODES
 from compaction_gym.compaction.values import check_beta, fit_values
 from compaction_gym.errors import InvalidArgumentError
@@ -134,13 +134,9 @@ def _replayed(
             f"indices must have shape [B, t={expected}] for mode {mode!r}, got {tuple(indices.shape)}"
         )
     key_bias = C.check_key_bias(key_bias, keys)
-    kept_keys = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
-    old_beta = None
-    if key_bias is not None:
-        old_beta = torch.gather(key_bias.to(C.compute_dtype(keys.dtype)), 1, indices)
-    if mode != "attention_matching":
-        kept_values = torch.gather(values, 1, indices[:, :, None].expand(-1, -1, values.shape[2]))
-        return CompactionResult(kept_keys, kept_values, old_beta, indices)
+    kept_keys, old_beta, selected = kept_rows(mode, keys, values, key_bias, indices)
+    if selected is not None:
+        return selected
     if queries is None:
         raise InvalidArgumentError("queries are required to refit C2 (mode='attention_matching')")
     if compute_beta and beta is None:  # an old record: refit β, a constant (no gradient)

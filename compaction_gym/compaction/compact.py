@@ -115,6 +115,25 @@ def _check_n_kv_heads(n_kv_heads: object, batch: int) -> int | None:
     return n_kv_heads
 
 
+def kept_rows(
+    mode: str,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    indices: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, CompactionResult | None]:
+    """C1 (the kept keys) and the kept rows' old bias; for the selection modes, also the whole
+    result (C2 = the kept values). Shared by :func:`compact` and a replayed event's block."""
+    kept_keys = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
+    old_beta = None
+    if key_bias is not None:
+        old_beta = torch.gather(key_bias.to(C.compute_dtype(keys.dtype)), 1, indices)
+    if mode == "attention_matching":
+        return kept_keys, old_beta, None
+    kept_values = torch.gather(values, 1, indices[:, :, None].expand(-1, -1, values.shape[2]))
+    return kept_keys, old_beta, CompactionResult(kept_keys, kept_values, old_beta, indices)
+
+
 def compact(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -220,13 +239,9 @@ def compact(
         if forced_indices is not None
         else _select(mode, logits, keys, span, target, seed, query_positions, n_kv_heads)
     )
-    kept_keys = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
-    old_beta = None
-    if key_bias is not None:
-        old_beta = torch.gather(key_bias.to(C.compute_dtype(keys.dtype)), 1, indices)
-    if mode != "attention_matching":
-        kept_values = torch.gather(values, 1, indices[:, :, None].expand(-1, -1, values.shape[2]))
-        return CompactionResult(kept_keys, kept_values, old_beta, indices)
+    kept_keys, old_beta, selected = kept_rows(mode, keys, values, key_bias, indices)
+    if selected is not None:
+        return selected
     beta = beta_from_logits(logits, span, indices, key_bias) if compute_beta else None
     fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)

@@ -44,11 +44,7 @@ def encode_int_tensor(t: torch.Tensor) -> dict[str, Any]:
     if t.numel() and (int(t.min()) < _INT32.min or int(t.max()) > _INT32.max):
         raise InvalidArgumentError("indices must fit in int32 to be serialised")
     arr = t.to(torch.int32).contiguous().numpy().astype("<i4", copy=False)
-    return {
-        "shape": list(arr.shape),
-        "dtype": "int32",
-        "data": base64.b64encode(arr.tobytes()).decode("ascii"),
-    }
+    return _encoded(arr, "int32")
 
 
 def decode_int_tensor(d: dict[str, Any]) -> torch.Tensor:
@@ -57,17 +53,7 @@ def decode_int_tensor(d: dict[str, Any]) -> torch.Tensor:
     Raises:
         InvalidArgumentError: not an encoded tensor, an unknown dtype, or data that does not fill ``shape``.
     """
-    if not isinstance(d, dict) or not {"shape", "dtype", "data"} <= d.keys():
-        raise InvalidArgumentError(f"indices must be an encoded tensor {{shape, dtype, data}}, got {d!r:.80}")
-    if d["dtype"] != "int32":
-        raise InvalidArgumentError(f"indices: unsupported encoded dtype {d['dtype']!r}; expected 'int32'")
-    try:
-        raw = base64.b64decode(d["data"], validate=True)
-        shape = [int(n) for n in d["shape"]]
-        arr = np.frombuffer(raw, dtype="<i4").reshape(shape)
-    except (binascii.Error, TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"indices: corrupt encoded tensor (shape {d['shape']!r}): {exc}") from exc
-    return torch.from_numpy(arr.astype(np.int64))
+    return torch.from_numpy(_decode(d, "indices", "int32", "<i4").astype(np.int64))
 
 
 def encode_float_tensor(t: torch.Tensor, name: str = "beta") -> dict[str, Any]:
@@ -79,11 +65,7 @@ def encode_float_tensor(t: torch.Tensor, name: str = "beta") -> dict[str, Any]:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise InvalidArgumentError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     arr = t.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    return {
-        "shape": list(arr.shape),
-        "dtype": "float32",
-        "data": base64.b64encode(arr.tobytes()).decode("ascii"),
-    }
+    return _encoded(arr, "float32")
 
 
 def decode_float_tensor(d: dict[str, Any], name: str = "beta") -> torch.Tensor:
@@ -92,17 +74,25 @@ def decode_float_tensor(d: dict[str, Any], name: str = "beta") -> torch.Tensor:
     Raises:
         InvalidArgumentError: not an encoded tensor, an unknown dtype, or data that does not fill ``shape``.
     """
+    return torch.from_numpy(_decode(d, name, "float32", "<f4").astype(np.float32))
+
+
+def _encoded(arr: np.ndarray, dtype: str) -> dict[str, Any]:
+    return {"shape": list(arr.shape), "dtype": dtype, "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def _decode(d: Any, name: str, dtype: str, np_dtype: str) -> np.ndarray:
+    """The array of an encoded tensor ``{shape, dtype, data}`` whose ``dtype`` must be ``dtype``."""
     if not isinstance(d, dict) or not {"shape", "dtype", "data"} <= d.keys():
         raise InvalidArgumentError(f"{name} must be an encoded tensor {{shape, dtype, data}}, got {d!r:.80}")
-    if d["dtype"] != "float32":
-        raise InvalidArgumentError(f"{name}: unsupported encoded dtype {d['dtype']!r}; expected 'float32'")
+    if d["dtype"] != dtype:
+        raise InvalidArgumentError(f"{name}: unsupported encoded dtype {d['dtype']!r}; expected {dtype!r}")
     try:
         raw = base64.b64decode(d["data"], validate=True)
         shape = [int(n) for n in d["shape"]]
-        arr = np.frombuffer(raw, dtype="<f4").reshape(shape)
+        return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
     except (binascii.Error, TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"{name}: corrupt encoded tensor (shape {d['shape']!r}): {exc}") from exc
-    return torch.from_numpy(arr.astype(np.float32))
 
 
 @dataclass
