@@ -131,7 +131,9 @@ def resolve_sampling(sampling: SamplingParams | None, prompt: str, model: str | 
     return SamplingParams(temperature=0.0, max_new_tokens=default_max_new_tokens(prompt, model))
 
 
-def load_backend(model: str | None, batch: int, engine_kwargs: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+def load_backend(
+    model: str | None, batch: int, engine_kwargs: Mapping[str, Any] | None = None
+) -> tuple[Any, str]:
     """A :class:`~compaction_gym.backends.LocalBackend` for ``model`` with ``batch`` slots, and the
     resolved model path."""
     from compaction_gym.backends import LocalBackend
@@ -228,7 +230,9 @@ def play(
     t_start = time.perf_counter()
     bar = tqdm(total=total, desc=desc, unit="ep", disable=not progress, file=sys.stderr)
     agents = [
-        CompactionAgent(backend, compaction=compaction, sampling=sampling, prompt=fmt, model_name=run.model_label)
+        CompactionAgent(
+            backend, compaction=compaction, sampling=sampling, prompt=fmt, model_name=run.model_label
+        )
         for _ in range(max(1, min(batch, max((len(v) for v in plan.values()), default=1))))
     ]
     by_task, wall = run.by_task, run.wall

@@ -30,7 +30,8 @@ class EvalConfig:
 
     env: str = field(default="AttnMatch-BabyAI-v0", metadata={"help": "env id"})
     task: list[str] | None = field(
-        default=None, metadata={"help": "tasks to run (BabyAI tasks or math datasets; repeatable); unset: all"}
+        default=None,
+        metadata={"help": "tasks to run (BabyAI tasks or math datasets; repeatable); unset: all"},
     )
     model: str = field(
         default=DEFAULT_MODEL,
@@ -38,10 +39,14 @@ class EvalConfig:
     )
     episodes: int = field(default=10, metadata={"help": "episodes per task"})
     seed: int = field(default=0, metadata={"help": "episode i uses env seed SEED+i"})
-    output: str | None = field(default=None, metadata={"help": "directory for trajectories.jsonl and summary.json"})
+    output: str | None = field(
+        default=None, metadata={"help": "directory for trajectories.jsonl and summary.json"}
+    )
     batch: int = field(default=1, metadata={"help": "episodes played concurrently"})
     max_steps: int | None = field(default=None, metadata={"help": "env step limit (BabyAI: BALROG's 64/128)"})
-    env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra gym.make kwargs as JSON"})
+    env_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "extra gym.make kwargs as JSON"}
+    )
     policy: str = field(
         default="model",
         metadata={
@@ -52,17 +57,27 @@ class EvalConfig:
     )
     prompt: str | None = field(
         default=None,
-        metadata={"help": "prompt format (unset: the model's, balrog for BabyAI, raw else)", "choices": sorted(PROMPT_FORMATS)},
+        metadata={
+            "help": "prompt format (unset: the model's, balrog for BabyAI, raw else)",
+            "choices": sorted(PROMPT_FORMATS),
+        },
     )
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     device: str | None = field(default=None, metadata={"help": "cuda / cpu (unset: cuda when available)"})
     dtype: str | None = field(
-        default=None, metadata={"help": "float32 / bfloat16 / ... (unset: float32 on CPU, checkpoint dtype on GPU)"}
+        default=None,
+        metadata={"help": "float32 / bfloat16 / ... (unset: float32 on CPU, checkpoint dtype on GPU)"},
     )
-    capacity: int | None = field(default=None, metadata={"help": "KV rows per session slot (unset: engine's)"})
+    capacity: int | None = field(
+        default=None, metadata={"help": "KV rows per session slot (unset: engine's)"}
+    )
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in (("device", self.device), ("dtype", self.dtype), ("capacity", self.capacity)) if v}
+        return {
+            k: v
+            for k, v in (("device", self.device), ("dtype", self.dtype), ("capacity", self.capacity))
+            if v
+        }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +103,9 @@ def load_configs(args: argparse.Namespace) -> tuple[EvalConfig, CompactionConfig
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values = read_toml_config(
-            args.config, [*names, "compaction", "sampling"], hint="compaction and sampling options go in tables"
+            args.config,
+            [*names, "compaction", "sampling"],
+            hint="compaction and sampling options go in tables",
         )
     comp = dict(values.pop("compaction", {}))
     samp = dict(values.pop("sampling", {}))
@@ -158,5 +175,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     render_table(summary, console)
     if cfg.output:
-        console.print(f"wrote {Path(cfg.output) / 'summary.json'} and {Path(cfg.output) / 'trajectories.jsonl'}")
+        console.print(
+            f"wrote {Path(cfg.output) / 'summary.json'} and {Path(cfg.output) / 'trajectories.jsonl'}"
+        )
     return 0
