@@ -180,7 +180,8 @@ def play(
         progress: show a progress bar labelled ``desc``.
         policy: ``model`` or ``expert`` (BabyAI: the expert bot, teacher-forced).
         on_episode: called as ``on_episode(task_label, trajectory)`` as each episode ends;
-            ``trajectory.info`` holds ``eval_task`` and ``eval_episode``.
+            ``trajectory.info`` holds ``eval_task`` (the task label), ``eval_task_requested`` (the
+            task asked for, ``None`` when the env picks) and ``eval_episode``.
     """
     from tqdm.auto import tqdm
 
@@ -247,6 +248,7 @@ def play(
             def done(index: int, traj: Trajectory, task: str | None = task) -> None:
                 label = task or next((str(traj.info[k]) for k in TASK_INFO_KEYS if k in traj.info), "all")
                 traj.info["eval_task"], traj.info["eval_episode"] = label, index
+                traj.info["eval_task_requested"] = task
                 by_task.setdefault(label, []).append(traj)
                 if on_episode is not None:
                     on_episode(label, traj)
