@@ -28,6 +28,11 @@ def register(subparsers: Any) -> None:
     run.add_argument("suite", help="suite name (benchmarks/leaderboard/suites/NAME.toml) or a TOML path")
     run.add_argument("--methods", nargs="+", help="methods to run (default: all of the suite's)")
     run.add_argument("--seeds", nargs="+", type=int, help="a subset of the suite's seeds (default: all)")
+    run.add_argument(
+        "--limit-episodes",
+        type=int,
+        help="smoke run: only the first N episodes per task and seed (records stay incomplete until a full run)",
+    )
     run.add_argument("--output", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
     run.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     run.add_argument("--dtype", help="weights/cache dtype (default: float32 on CPU, checkpoint dtype on GPU)")
@@ -62,6 +67,7 @@ def main_run(args: argparse.Namespace) -> int:
             output=args.output,
             engine_kwargs=engine,
             progress=not args.no_progress,
+            limit_episodes=args.limit_episodes,
         )
     except CompactionGymError as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)

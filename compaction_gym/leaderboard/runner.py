@@ -162,6 +162,7 @@ def run_suite(
     engine_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
     on_episode: Callable[[Cell, Trajectory], None] | None = None,
+    limit_episodes: int | None = None,
 ) -> list[Path]:
     """Play every selected cell of ``suite`` (resuming), write its record; returns the record paths.
 
@@ -171,6 +172,8 @@ def run_suite(
         output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
         backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
         on_episode: called after each episode is on disk (tests use it to interrupt a run).
+        limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
+            are incomplete and fail ``check`` until a full run resumes them).
     """
     known = suite.methods
     chosen = list(methods) if methods else known
@@ -185,6 +188,9 @@ def run_suite(
     cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
     model = model_block(suite.cells[0].model)
     if backend is None:
+        engine_kwargs = dict(engine_kwargs or {})
+        if cells[0].capacity:
+            engine_kwargs.setdefault("capacity", cells[0].capacity)
         backend, _ = load_backend(model["resolved"], max(c.batch for c in cells), engine_kwargs)
     written: list[Path] = []
     for n, cell in enumerate(cells, 1):

@@ -21,7 +21,7 @@ from compaction_gym.errors import InvalidArgumentError
 SUITES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "suites"
 SUITE_KEYS = {
     "name", "description", "env", "tasks", "episodes", "seeds", "model", "tokenizer", "prompt", "batch",
-    "env_kwargs", "reference_kv_len", "sampling", "compaction", "budgets", "methods", "policy",
+    "env_kwargs", "reference_kv_len", "capacity", "sampling", "compaction", "budgets", "methods", "policy",
 }  # fmt: skip
 METHOD_KEYS = {"name", "budgets", "description"}
 BUDGET_KEYS = {"max_kv_len", "kv_ratio", "compact_window", "window_fraction"}
@@ -67,6 +67,7 @@ class Cell:
     env_kwargs: dict[str, Any]
     compaction: CompactionConfig
     sampling: SamplingParams
+    capacity: int | None = None
 
     @property
     def key(self) -> str:
@@ -102,6 +103,7 @@ class Cell:
             "prompt": self.prompt,
             "policy": self.policy,
             "env_kwargs": self.env_kwargs,
+            "capacity": self.capacity,
             "compaction": self.compaction.to_dict(),
             "sampling": {**self.sampling.to_dict(), "stop_token_ids": list(self.sampling.stop_token_ids)},
         }
@@ -251,6 +253,7 @@ def load_suite(spec: str | Path) -> Suite:
                     env_kwargs=dict(data.get("env_kwargs", {})),
                     compaction=compaction,
                     sampling=sampling,
+                    capacity=int(data["capacity"]) if data.get("capacity") else None,
                 )
             )
     return suite

@@ -206,4 +206,6 @@ def test_config_must_match_the_suite_file(tampered, tiny_suite_path, tmp_path):
     assert any(
         "config hash does not match the suite file" in f for f in check_record(tampered, edited).failures
     )
-    assert main(["leaderboard", "check", "--records", str(tampered.parents[1])]) == 0  # against its own suite file it passes
+    assert (
+        main(["leaderboard", "check", "--records", str(tampered.parents[1])]) == 0
+    )  # against its own suite file it passes
