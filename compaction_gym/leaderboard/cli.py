@@ -27,6 +27,7 @@ def register(subparsers: Any) -> None:
     run = sub.add_parser("run", help="play a suite's cells (resumable) and write their records")
     run.add_argument("suite", help="suite name (benchmarks/leaderboard/suites/NAME.toml) or a TOML path")
     run.add_argument("--methods", nargs="+", help="methods to run (default: all of the suite's)")
+    run.add_argument("--budgets", nargs="+", help="budget labels to run, e.g. kv1024 r0.25 (default: all)")
     run.add_argument("--seeds", nargs="+", type=int, help="a subset of the suite's seeds (default: all)")
     run.add_argument(
         "--limit-episodes",
@@ -63,6 +64,7 @@ def main_run(args: argparse.Namespace) -> int:
         paths = run_suite(
             suite,
             methods=args.methods,
+            budgets=args.budgets,
             seeds=args.seeds,
             output=args.output,
             engine_kwargs=engine,

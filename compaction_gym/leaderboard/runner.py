@@ -156,6 +156,7 @@ def run_suite(
     suite: Suite,
     *,
     methods: Sequence[str] | None = None,
+    budgets: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
     output: str | Path = DEFAULT_OUTPUT,
     backend: Any = None,
@@ -168,6 +169,7 @@ def run_suite(
 
     Args:
         methods: method names to run (default all); the ``none`` baseline runs first when selected.
+        budgets: budget labels to run (``kv1024``, ``r0.25``; default all; ``full`` always runs).
         seeds: a subset of the suite's seeds (a record is complete only with all of them).
         output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
         backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
@@ -184,7 +186,16 @@ def run_suite(
     bad = [s for s in run_seeds if s not in suite.cells[0].seeds]
     if bad:
         raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {suite.cells[0].seeds}")
-    cells = [c for c in suite.cells if c.method in chosen]
+    labels = {c.budget.label for c in suite.cells}
+    if budgets and set(budgets) - labels:
+        raise InvalidArgumentError(
+            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
+        )
+    cells = [
+        c
+        for c in suite.cells
+        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
+    ]
     cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
     model = model_block(suite.cells[0].model)
     if backend is None:
@@ -212,7 +223,7 @@ def run_suite(
         done = read_episodes(traj_path, episode_key)
         have = {episode_key(d) for d in done}
         plan = {
-            t: [e for s in run_seeds for e in cell.env_seeds(s) if (str(t), e) not in have]
+            t: [e for s in run_seeds for e in cell.env_seeds(s)[:limit_episodes] if (str(t), e) not in have]
             for t in cell.tasks
         }
         missing = sum(len(v) for v in plan.values())

@@ -1,0 +1,92 @@
+"""``compaction-gym eval`` flags: built from EvalConfig / CompactionConfig / SamplingParams, ``--config``
+TOML, the old spellings, and the help text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from compaction_gym.cli import main, make_parser
+from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.evaluation.cli import load_configs
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return make_parser().parse_args(["eval", *argv])
+
+
+def test_old_flag_spellings_still_work():
+    args = _parse(
+        ["--model", "tiny-random", "--mode", "attention_matching", "--max-kv-len", "1024", "--ratio", "0.5",
+         "--compute-beta", "--queries", "keys", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5",
+         "--max-new-tokens", "12", "--episodes", "3", "--batch", "2", "--seed", "4", "--no-progress",
+         "--task", "goto", "--task", "open", "--max-steps", "8", "--env-kwargs", '{"num_dists": 0}']
+    )  # fmt: skip
+    cfg, comp, samp = load_configs(args)
+    assert (comp.mode, comp.max_kv_len, comp.compact_window, comp.compact_target_ratio) == (
+        "attention_matching", 1024, 512, 0.5,
+    )  # fmt: skip
+    assert comp.compute_beta and comp.queries == "keys"
+    assert (samp.temperature, samp.top_p, samp.top_k, samp.max_new_tokens) == (0.7, 0.9, 5, 12)
+    assert cfg.task == ["goto", "open"] and cfg.episodes == 3 and cfg.seed == 4 and not cfg.progress
+    assert cfg.max_steps == 8 and cfg.env_kwargs == {"num_dists": 0}
+
+
+def test_defaults_are_greedy_with_the_prompt_formats_budget():
+    cfg, comp, samp = load_configs(_parse(["--model", "tiny-random"]))
+    assert comp.mode == "none" and samp.temperature == 0.0 and samp.max_new_tokens == 32  # balrog's
+    assert cfg.prompt == "balrog" and cfg.env == "AttnMatch-BabyAI-v0" and cfg.episodes == 10
+    _, _, samp = load_configs(_parse([]))  # the bundled model declares its own budget
+    assert samp.max_new_tokens == 64
+
+
+def test_config_toml_then_flags(tmp_path):
+    path = tmp_path / "eval.toml"
+    path.write_text(
+        'env = "AttnMatch-Math-v0"\nepisodes = 4\nmodel = "tiny-random"\n'
+        '[compaction]\nmode = "markovian"\nmax_kv_len = 256\n[sampling]\nmax_new_tokens = 100\nseed = 9\n'
+    )
+    cfg, comp, samp = load_configs(_parse(["--config", str(path), "--episodes", "6", "--ratio", "0.5"]))
+    assert cfg.env == "AttnMatch-Math-v0" and cfg.episodes == 6 and cfg.prompt == "raw"
+    assert comp.mode == "markovian" and comp.max_kv_len == 256 and comp.compact_target_ratio == 0.5
+    assert samp.max_new_tokens == 100 and samp.seed == 9
+    path.write_text("episods = 3\n")
+    with pytest.raises(InvalidArgumentError, match="unknown keys \\['episods'\\]"):
+        load_configs(_parse(["--config", str(path)]))
+    path.write_text("[compaction]\nmax_kv = 3\n")
+    with pytest.raises(InvalidArgumentError, match="max_kv"):
+        load_configs(_parse(["--config", str(path)]))
+
+
+def test_help_lists_every_group(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    for flag in (
+        "--config",
+        "--mode",
+        "--ratio",
+        "--compact-target-ratio",
+        "--n-probe-queries",
+        "--top-p",
+        "--ignore-eos",
+    ):
+        assert flag in text
+    assert "(default: 0.0 (greedy))" in " ".join(text.split())
+
+
+def test_eval_runs_from_a_config_file(tiny_model_path, tmp_path):
+    path = tmp_path / "eval.toml"
+    path.write_text(
+        f'model = "{tiny_model_path}"\ntask = ["goto"]\nepisodes = 2\nmax_steps = 2\nprogress = false\n'
+        f'output = "{tmp_path / "out"}"\n[compaction]\nmode = "markovian"\nmax_kv_len = 448\ncompact_window = 96\n'
+        "[sampling]\nmax_new_tokens = 3\n"
+    )
+    assert main(["eval", "--config", str(path)]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (
+        summary["config"]["compaction"]["mode"] == "markovian" and summary["tasks"]["goto"]["episodes"] == 2
+    )
+    assert summary["config"]["sampling"]["max_new_tokens"] == 3
