@@ -213,7 +213,9 @@ def test_config_must_match_the_suite_file(tampered, tiny_suite_path, tmp_path):
 
 def test_smoke_run_is_marked_incomplete_then_resumes(tiny_suite_path, tiny_backend, tmp_path):
     suite = load_suite(tiny_suite_path)
-    run_suite(suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False, limit_episodes=1)
+    run_suite(
+        suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False, limit_episodes=1
+    )
     cell = tmp_path / "tiny" / "none" / "full"
     assert [e["env_seed"] for e in _record(tmp_path, "none/full")["results"]["episodes"]] == [0, 10]
     assert any("2 missing" in f for f in check_record(cell).failures)
