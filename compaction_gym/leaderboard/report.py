@@ -131,6 +131,9 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
             ys = [r["results"]["score"]["mean"] for r in recs]
             es = [r["results"]["score"]["se"] or 0.0 for r in recs]
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+        ax.set_ylim(-3, 103)
+        if kind == "budget":
+            ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("score (progression %, mean ± SE)")
         ax.set_title(f"{suite}: score vs {'KV budget' if kind == 'budget' else 'compression ratio'}")
