@@ -111,6 +111,28 @@ def event_failures(trajs: list[dict[str, Any]], protect_prompt: bool) -> list[st
     return out
 
 
+def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[str]:
+    """The paired comparison must re-derive from the ``none`` record it names (a sibling cell)."""
+    comp = record["comparison_vs_none"]
+    if comp is None:
+        return []
+    from compaction_gym.leaderboard.record import comparison
+
+    base = next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    base_path = path.parents[2] / base.method / base.budget.label / RECORD_FILE if base is not None else None
+    if base_path is None or not base_path.exists():
+        return ["comparison_vs_none: the none record it was computed against is missing"]
+    baseline = json.loads(base_path.read_text())
+    if baseline.get("content_sha256") != comp.get("baseline_content_sha256"):
+        return ["comparison_vs_none is stale: the none record changed (re-run `leaderboard run` to refresh)"]
+    recomputed = comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+    if recomputed is None or not _close(
+        finite({**recomputed, "baseline_content_sha256": baseline["content_sha256"]}), comp
+    ):
+        return ["comparison_vs_none does not match the episodes of this record and the none record"]
+    return []
+
+
 def check_record(path: str | Path, suite_file: str | Path | None = None) -> CheckResult:
     """Check the record ``path`` (a ``submission.json`` or its directory) against every rule."""
     path = Path(path)
@@ -173,6 +195,8 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
                 if not _close(recomputed[key], record["results"][key]):
                     fail.append(f"results.{key} does not match the trajectories")
     # budget and events
+    if cell is not None:
+        fail.extend(comparison_failures(path, record, suite))
     over = kv_failures(trajs, record["budget"]["max_kv_len"])
     fail.extend(over[:5] + ([f"... {len(over) - 5} more budget overruns"] if len(over) > 5 else []))
     fail.extend(event_failures(trajs, bool(record["config"]["compaction"].get("protect_prompt", True)))[:5])

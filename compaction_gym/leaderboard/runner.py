@@ -196,6 +196,8 @@ def run_suite(
         for c in suite.cells
         if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
     ]
+    if not cells:
+        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
     cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
     model = model_block(suite.cells[0].model)
     if backend is None:

@@ -223,3 +223,10 @@ def test_smoke_run_is_marked_incomplete_then_resumes(tiny_suite_path, tiny_backe
     assert check_record(cell).ok and len(_record(tmp_path, "none/full")["results"]["episodes"]) == 4
     with pytest.raises(Exception, match="unknown \\['kv9'\\]"):
         run_suite(suite, budgets=["kv9"], output=tmp_path, backend=tiny_backend, progress=False)
+
+
+def test_edited_p_value_fails(tampered):
+    rec = json.loads((tampered / "submission.json").read_text())
+    rec["comparison_vs_none"]["sign_pvalue"] = 0.001
+    _save(tampered, rec, reseal=True)
+    assert any("comparison_vs_none does not match" in f for f in check_record(tampered).failures)
