@@ -69,9 +69,12 @@ def _log(path: Path, message: str) -> None:
 
 
 def hardware(backend: Any) -> dict[str, Any]:
-    """Device, CPU and GPU names, core count."""
+    """Device, CPU and GPU names, core count, the engine's slots and KV rows per slot."""
+    engine = getattr(backend, "engine", None)
     info: dict[str, Any] = {
-        "device": str(getattr(getattr(backend, "engine", None), "device", "")),
+        "device": str(getattr(engine, "device", "")),
+        "engine_capacity": getattr(engine, "capacity", None),
+        "engine_slots": getattr(engine, "max_slots", None),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "gpu": None,
