@@ -236,8 +236,18 @@ def run_suite(
             f"[{n}/{len(cells)}] {suite.name} {cell.key}: {len(done)} episodes on disk, {missing} to play",
             file=sys.stderr,
         )
-        started = time.perf_counter()
         started_at = _now()
+        state = json.loads(cell_file.read_text())
+        state.setdefault("started_at", started_at)
+        clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
+
+        def save_clock(
+            state: dict[str, Any] = state, clock: dict[str, float] = clock, cell_file: Path = cell_file
+        ) -> None:
+            """Wall time of every invocation that played episodes, kept across interruptions."""
+            state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
+            write_json_atomic(cell_file, state)
+
         if missing:
             _log(
                 log,
@@ -253,6 +263,7 @@ def run_suite(
             ) -> None:
                 traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
                 append_jsonl(traj_path, [jsonable(traj.to_dict())])
+                save_clock()
                 _log(
                     log,
                     f"episode task={traj.info['eval_task']} env_seed={traj.seed} score={traj.info.get('progression', traj.info.get('score'))}",
@@ -287,10 +298,7 @@ def run_suite(
         ):
             prov = previous_record["provenance"]  # nothing new: keep when and where it ran
         else:
-            state = json.loads(cell_file.read_text())
-            state["wall_time_s"] = float(state.get("wall_time_s", 0.0)) + (time.perf_counter() - started)
-            state.setdefault("started_at", started_at)
-            write_json_atomic(cell_file, state)
+            save_clock()
             prov = {
                 "started_at": state["started_at"],
                 "finished_at": _now(),

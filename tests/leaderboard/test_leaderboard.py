@@ -230,3 +230,18 @@ def test_edited_p_value_fails(tampered):
     rec["comparison_vs_none"]["sign_pvalue"] = 0.001
     _save(tampered, rec, reseal=True)
     assert any("comparison_vs_none does not match" in f for f in check_record(tampered).failures)
+
+
+def test_wall_time_survives_an_interruption(tiny_suite_path, tiny_backend, tmp_path):
+    suite = load_suite(tiny_suite_path)
+
+    def stop(cell, traj):
+        raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run_suite(suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False, on_episode=stop)
+    cell = tmp_path / "tiny" / "none" / "full"
+    first = json.loads((cell / "cell.json").read_text())["wall_time_s"]
+    assert first > 0
+    run_suite(suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False)
+    assert _record(tmp_path, "none/full")["provenance"]["wall_time_s"] > first
