@@ -90,3 +90,16 @@ def test_eval_runs_from_a_config_file(tiny_model_path, tmp_path):
         summary["config"]["compaction"]["mode"] == "markovian" and summary["tasks"]["goto"]["episodes"] == 2
     )
     assert summary["config"]["sampling"]["max_new_tokens"] == 3
+
+
+def test_eval_plays_the_recall_env(tiny_model_path, tmp_path):
+    out = tmp_path / "recall"
+    argv = ["eval", "--env", "AttnMatch-Recall-v0", "--task", "short", "--model", str(tiny_model_path)]
+    argv += ["--episodes", "2", "--max-new-tokens", "3", "--batch", "2", "--output", str(out), "--no-progress"]
+    argv += ["--mode", "markovian", "--max-kv-len", "448", "--compact-window", "96"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["tasks"]["short"]
+    assert summary["config"]["prompt"] == "raw" and stats["episodes"] == 2
+    assert stats["turns_mean"] == 1 + 2 + 3  # facts, 2 filler turns, 3 questions
+    assert stats["progression"]["mean"] == 0.0  # a random model answers nothing right

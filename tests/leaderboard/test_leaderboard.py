@@ -239,7 +239,9 @@ def test_wall_time_survives_an_interruption(tiny_suite_path, tiny_backend, tmp_p
         raise Interrupt
 
     with pytest.raises(Interrupt):
-        run_suite(suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False, on_episode=stop)
+        run_suite(
+            suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False, on_episode=stop
+        )
     cell = tmp_path / "tiny" / "none" / "full"
     first = json.loads((cell / "cell.json").read_text())["wall_time_s"]
     assert first > 0
