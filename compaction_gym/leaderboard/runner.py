@@ -288,25 +288,27 @@ def run_suite(
                 desc=cell.key,
             )
         trajectories = read_episodes(traj_path, episode_key)
-        wanted = {(str(t), e) for t in cell.tasks for s in run_seeds for e in cell.env_seeds(s)}
+        # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
+        wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
         trajectories = [d for d in trajectories if episode_key(d) in wanted]
         previous_record = load_record(directory / RECORD_FILE)
         if (
             not missing
             and previous_record is not None
-            and previous_record["files"]["trajectories"]["lines"] == len(trajectories)
+            and previous_record.get("config_sha256") == cell.config_sha256()
+            and previous_record["files"]["trajectories"]["sha256"] == sha256_file(traj_path)
         ):
-            prov = previous_record["provenance"]  # nothing new: keep when and where it ran
-        else:
-            save_clock()
-            prov = {
-                "started_at": state["started_at"],
-                "finished_at": _now(),
-                "wall_time_s": state["wall_time_s"],
-                **provenance(),
-                "hardware": hardware(backend),
-                "argv": sys.argv,
-            }
+            written.append(directory / RECORD_FILE)  # nothing new: the record stands as it is
+            continue
+        save_clock()
+        prov = {
+            "started_at": state["started_at"],
+            "finished_at": _now(),
+            "wall_time_s": state["wall_time_s"],
+            **provenance(),
+            "hardware": hardware(backend),
+            "argv": sys.argv,
+        }
         record = build_record(suite, cell, directory, trajectories, model=model, prov=prov)
         errors = schema_errors(record)
         if errors:
