@@ -16,8 +16,9 @@ from compaction_gym.errors import InvalidArgumentError
 
 
 def mean(xs: Sequence[float]) -> float:
-    """Arithmetic mean (``nan`` for no values)."""
-    return float(math.fsum(xs) / len(xs)) if xs else float("nan")
+    """Arithmetic mean (``nan`` for no values); left-to-right ``sum``, so summaries stay
+    bit-identical to earlier ``eval`` runs."""
+    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def pop_se(xs: Sequence[float]) -> float:
@@ -25,7 +26,7 @@ def pop_se(xs: Sequence[float]) -> float:
     if not xs:
         return float("nan")
     m = mean(xs)
-    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / len(xs)) / math.sqrt(len(xs))
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) / math.sqrt(len(xs))
 
 
 def sample_se(xs: Sequence[float]) -> float:
