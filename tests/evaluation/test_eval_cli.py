@@ -95,7 +95,17 @@ def test_eval_runs_from_a_config_file(tiny_model_path, tmp_path):
 def test_eval_plays_the_recall_env(tiny_model_path, tmp_path):
     out = tmp_path / "recall"
     argv = ["eval", "--env", "AttnMatch-Recall-v0", "--task", "short", "--model", str(tiny_model_path)]
-    argv += ["--episodes", "2", "--max-new-tokens", "3", "--batch", "2", "--output", str(out), "--no-progress"]
+    argv += [
+        "--episodes",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--batch",
+        "2",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     argv += ["--mode", "markovian", "--max-kv-len", "448", "--compact-window", "96"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -103,3 +113,21 @@ def test_eval_plays_the_recall_env(tiny_model_path, tmp_path):
     assert summary["config"]["prompt"] == "raw" and stats["episodes"] == 2
     assert stats["turns_mean"] == 1 + 2 + 3  # facts, 2 filler turns, 3 questions
     assert stats["progression"]["mean"] == 0.0  # a random model answers nothing right
+
+
+def test_readme_command_reproduces_the_model_cards_numbers(tmp_path, capsys):
+    """The README's main command (on its two quickest tasks) prints and writes exactly the numbers
+    recorded in the model card's ``eval/quickstart.json`` (only wall times may differ)."""
+    from compaction_gym.models import path as model_path
+
+    argv = ["eval", "--env", "AttnMatch-BabyAI-v0", "--mode", "attention_matching", "--max-kv-len", "1024"]
+    argv += ["--episodes", "10", "--batch", "4", "--task", "goto", "pickup", "--output", str(tmp_path)]
+    assert main([*argv, "--no-progress", "--device", "cpu"]) == 0
+    card = json.loads((model_path("babyai-tiny") / "eval" / "quickstart.json").read_text())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    timing = {"wall_time_s", "episode_wall_time_mean_s"}
+    for task in ("goto", "pickup"):
+        ours = {k: v for k, v in summary["tasks"][task].items() if k not in timing}
+        assert ours == {k: v for k, v in card["tasks"][task].items() if k not in timing}
+    printed = capsys.readouterr().out
+    assert "100.0 ± 0.0" in printed and "544" in printed and "633" in printed
