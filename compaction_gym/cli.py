@@ -12,7 +12,11 @@ import compaction_gym
 
 #: subcommand -> (module that registers it, one-line help used if the module cannot be imported)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "eval": ("compaction_gym.agents.evaluate", "run an agent on an env for N episodes and summarise"),
+    "eval": ("compaction_gym.evaluation.cli", "run an agent on an env for N episodes and summarise"),
+    "leaderboard": (
+        "compaction_gym.leaderboard.cli",
+        "run, show and check the leaderboard: methods x suites x seeds",
+    ),
     "serve": ("compaction_gym.servers.cli", "serve the session API over HTTP"),
     "train": ("compaction_gym.trainers.cli", "train with GRPO replay, tree SFT or GJS distillation"),
     "demos": ("compaction_gym.demos.cli", "record expert-bot BabyAI demonstrations through compacted sessions"),

@@ -15,7 +15,7 @@ such a dataclass into argparse flags and merges the three sources back into an i
     script = load_script_arguments(MyScriptArguments, parser.parse_args(argv), required=("model",))
 
 Flags are built from the field's annotation: ``bool`` becomes ``--x/--no-x``, ``int`` and ``float``
-convert, ``list[...]`` takes one or more values, ``dict[...]`` takes a JSON object, anything else a
+convert, ``list[...]`` takes one or more values (a repeated flag adds more), ``dict[...]`` takes a JSON object, anything else a
 string. Flags default to ``argparse.SUPPRESS``, so only the flags actually given override the file.
 
 :func:`add_script_command`, :func:`script_parser` and :func:`run_script` are the rest of a trainer
@@ -72,6 +72,7 @@ def add_dataclass_arguments(
     *,
     skip: Iterable[str] = (),
     config: bool = True,
+    defaults: dict[str, str] | None = None,
 ) -> None:
     """Add one flag per field of the dataclass ``cls`` (and ``--config FILE.toml``).
 
@@ -81,12 +82,15 @@ def add_dataclass_arguments(
             (``aliases``: other field names that are accepted as flags too, e.g. ``ratio``).
         skip: fields that have no flag (TOML-only tables such as ``training``).
         config: also add ``--config``, the TOML file :func:`load_script_arguments` reads.
+        defaults: the default shown in a field's help when the command's differs from the
+            dataclass's (e.g. ``{"temperature": "0.0"}``).
     """
     if config:
         parser.add_argument(
             "--config", metavar="FILE.toml", help="TOML file of these options; flags override it"
         )
     skipped = set(skip)
+    shown = defaults or {}
     for f in dataclasses.fields(cls):
         if f.name in skipped or not f.init:
             continue
@@ -94,12 +98,15 @@ def add_dataclass_arguments(
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": argparse.SUPPRESS,
-            "help": f"{help_text} (default: {_default_text(f)})".replace("%", "%%") if help_text else None,
+            "help": f"{help_text} (default: {shown.get(f.name, _default_text(f))})".replace("%", "%%")
+            if help_text
+            else None,
         }
         kind = _kind(f)
         if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind in ("list", "tuple"):
+            kwargs["action"] = "extend"  # ``--x a b`` and ``--x a --x b`` both give [a, b]
             kwargs["nargs"] = "+"
             kwargs["type"] = _item_type(f)
         else:

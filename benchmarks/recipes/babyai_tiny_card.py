@@ -151,7 +151,7 @@ def merge_evals(dirs: list[Path], out: Path) -> dict:
     unknown and count as 0).
     """
     from compaction_gym.agents import read_jsonl, write_jsonl
-    from compaction_gym.agents.evaluate import summarize
+    from compaction_gym.evaluation import summarize
 
     summaries = {
         d: json.loads((d / "summary.json").read_text()) for d in dirs if (d / "summary.json").exists()

@@ -91,7 +91,7 @@ esac
 timeout 120 $py - "$M" "$EVAL_EPS" <<'PY' > /tmp/eval.log 2>&1
 import json, sys
 import torch
-from compaction_gym.agents.evaluate import evaluate
+from compaction_gym.evaluation import evaluate
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 kw = {"device": dev, "capacity": 16384, **({"fast": False} if dev == "cuda" else {})}
 s = evaluate(sys.argv[1], "AttnMatch-BabyAI-v0", prompt="reasoning", episodes=int(sys.argv[2]), batch=int(sys.argv[2]),

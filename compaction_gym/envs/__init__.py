@@ -1,4 +1,4 @@
-"""Environments: BabyAI as text (BALROG-compatible) and single-step text math.
+"""Environments: BabyAI as text (BALROG-compatible) single-step text math, and multi-turn recall.
 
 ``import compaction_gym`` registers the ids (see :mod:`compaction_gym.envs.registration`) without
 importing minigrid or reasoning-gym; the names below load their module on first access.
@@ -17,6 +17,7 @@ _LAZY = {
     "parse_action": "compaction_gym.envs.babyai.actions",
     "MathEnv": "compaction_gym.envs.math",
     "RGMixEnv": "compaction_gym.envs.math",
+    "RecallEnv": "compaction_gym.envs.recall",
     "ENV_IDS": "compaction_gym.envs.registration",
 }
 

@@ -31,6 +31,7 @@ ENV_SPECS: tuple[dict[str, Any], ...] = (
     {"id": "AttnMatch-BabyAI-Symbolic-v0", "entry_point": _SYMBOLIC, "kwargs": {}},
     {"id": "AttnMatch-Math-v0", "entry_point": "compaction_gym.envs.math:MathEnv", "kwargs": {}},
     {"id": "AttnMatch-RGMix-v0", "entry_point": "compaction_gym.envs.math:RGMixEnv", "kwargs": {}},
+    {"id": "AttnMatch-Recall-v0", "entry_point": "compaction_gym.envs.recall:RecallEnv", "kwargs": {}},
 )
 
 #: The ids above, in registration order.

@@ -8,9 +8,10 @@ import math
 import pytest
 
 from compaction_gym.agents import Trajectory, read_jsonl
-from compaction_gym.agents.evaluate import SUMMARY_SCHEMA, default_tasks, summarize, task_env_kwargs
+from compaction_gym.agents.evaluate import default_tasks, task_env_kwargs
 from compaction_gym.cli import main
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.evaluation import SUMMARY_SCHEMA, summarize
 from compaction_gym.models.registry import MODEL_REGISTRY, register_model, resolve_model
 
 STAT_KEYS = {

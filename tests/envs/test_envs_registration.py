@@ -31,6 +31,7 @@ def test_every_id_is_registered():
         "AttnMatch-BabyAI-Symbolic-v0",
         "AttnMatch-Math-v0",
         "AttnMatch-RGMix-v0",
+        "AttnMatch-Recall-v0",
     )
     assert all(env_id in gym.registry for env_id in ENV_IDS)
 

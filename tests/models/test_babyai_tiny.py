@@ -45,7 +45,7 @@ def test_unknown_bundled_model_is_a_clear_error():
 
 
 def test_smoke_evaluation_reaches_the_seeded_bound():
-    from compaction_gym.agents.evaluate import evaluate
+    from compaction_gym.evaluation import evaluate
 
     summary = evaluate(
         "babyai-tiny",

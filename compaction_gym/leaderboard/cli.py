@@ -1,0 +1,102 @@
+"""``compaction-gym leaderboard run|show|check``: methods × suites × seeds with honest statistics.
+
+``run SUITE`` plays a suite's (method, budget) cells, resumably, writing one record per cell;
+``show`` ranks the records in tables and plots; ``check`` verifies every record's compliance
+(``docs/leaderboard.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from compaction_gym.errors import CompactionGymError
+
+
+def register(subparsers: Any) -> None:
+    """Add ``leaderboard`` (with ``run``, ``show``, ``check``) to the ``compaction-gym`` command."""
+    from compaction_gym.leaderboard.runner import DEFAULT_OUTPUT
+
+    parser = subparsers.add_parser(
+        "leaderboard",
+        help="run, show and check the leaderboard: methods x suites x seeds",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    sub = parser.add_subparsers(dest="leaderboard_command", metavar="ACTION", required=True)
+    run = sub.add_parser("run", help="play a suite's cells (resumable) and write their records")
+    run.add_argument("suite", help="suite name (benchmarks/leaderboard/suites/NAME.toml) or a TOML path")
+    run.add_argument("--methods", nargs="+", help="methods to run (default: all of the suite's)")
+    run.add_argument("--budgets", nargs="+", help="budget labels to run, e.g. kv1024 r0.25 (default: all)")
+    run.add_argument("--seeds", nargs="+", type=int, help="a subset of the suite's seeds (default: all)")
+    run.add_argument(
+        "--limit-episodes",
+        type=int,
+        help="smoke run: only the first N episodes per task and seed (records stay incomplete until a full run)",
+    )
+    run.add_argument("--output", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
+    run.add_argument("--device", help="cuda / cpu (default: cuda when available)")
+    run.add_argument("--dtype", help="weights/cache dtype (default: float32 on CPU, checkpoint dtype on GPU)")
+    run.add_argument("--capacity", type=int, help="KV rows per session slot (default: engine's)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.set_defaults(func=main_run)
+    show = sub.add_parser("show", help="ranked tables and plots of the records")
+    show.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
+    show.add_argument(
+        "--format", choices=("md", "html"), default="md", help="page format (default: %(default)s)"
+    )
+    show.add_argument("--output", help="where the page and PNGs go (default: the records root)")
+    show.set_defaults(func=main_show)
+    check = sub.add_parser("check", help="verify every record's compliance (writes compliance.json)")
+    check.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
+    check.set_defaults(func=main_check)
+
+
+def main_run(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.runner import run_suite
+    from compaction_gym.leaderboard.suite import load_suite
+
+    engine = {
+        k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("capacity", args.capacity)) if v
+    }
+    try:
+        suite = load_suite(args.suite)
+        paths = run_suite(
+            suite,
+            methods=args.methods,
+            budgets=args.budgets,
+            seeds=args.seeds,
+            output=args.output,
+            engine_kwargs=engine,
+            progress=not args.no_progress,
+            limit_episodes=args.limit_episodes,
+        )
+    except CompactionGymError as exc:
+        print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def main_show(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.report import show
+
+    page, plots = show(args.records, args.output, args.format)
+    print(page if args.format == "md" else f"wrote leaderboard.html ({len(page)} bytes)")
+    for p in plots:
+        print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def main_check(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.compliance import check_all
+
+    results = check_all(args.records)
+    for res in results:
+        print(f"{'ok  ' if res.ok else 'FAIL'} {res.path}")
+        for f in res.failures:
+            print(f"     - {f}")
+    failed = sum(not r.ok for r in results)
+    print(f"{len(results)} records, {failed} failing")
+    return 1 if failed else 0

@@ -1,0 +1,222 @@
+"""``leaderboard check``: compliance of every record with the rules of ``docs/leaderboard.md``.
+
+A record passes when: it matches its schema; its content hash holds (not edited after the run);
+its trajectories file is the one it was computed from and every number re-derives from it; its
+config hash matches the suite file as it is now; its seeds and episodes are exactly the suite's;
+the measured KV never exceeded the claimed budget (the engine's contract: by at most the input of
+the step that crossed it, ``docs/engine.md``); every compaction event used only tokens already in
+context. A failing record is reported with its reasons (``compliance.json``), never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compaction_gym.agents.trajectory import Trajectory
+from compaction_gym.errors import CompactionGymError
+from compaction_gym.leaderboard.record import (
+    RECORD_FILE,
+    TRAJECTORIES_FILE,
+    content_hash_ok,
+    episode_row,
+    finite,
+    results,
+    schema_errors,
+)
+from compaction_gym.leaderboard.store import sha256_file
+from compaction_gym.leaderboard.suite import Cell, load_suite, sha256_json
+
+COMPLIANCE_FILE = "compliance.json"
+
+
+@dataclass
+class CheckResult:
+    """The verdict on one record: ``failures`` lists every broken rule (empty: compliant)."""
+
+    path: Path
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"record": str(self.path), "ok": self.ok, "failures": self.failures}
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal JSON values, floats to 1e-9 relative (``None`` only equals ``None``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        if isinstance(a, float) and math.isnan(a):
+            return isinstance(b, float) and math.isnan(b)
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    return a == b
+
+
+def kv_failures(trajs: list[dict[str, Any]], max_kv_len: int | None) -> list[str]:
+    """Turns whose peak KV exceeded ``max_kv_len`` by more than the turn's input."""
+    if max_kv_len is None:
+        return []
+    out = []
+    for d in trajs:
+        for i, turn in enumerate(d["turns"]):
+            start, end = turn["input_range"]
+            allowed = max_kv_len + (end - start)
+            if turn["peak_kv_len"] > allowed:
+                out.append(
+                    f"budget overrun: env_seed {d['seed']} turn {i} peak KV {turn['peak_kv_len']} > "
+                    f"max_kv_len {max_kv_len} + input {end - start}"
+                )
+    return out
+
+
+def event_failures(trajs: list[dict[str, Any]], protect_prompt: bool) -> list[str]:
+    """Compaction events that reach past the context they fired in (or before the protected prompt)."""
+    out = []
+    for d in trajs:
+        last = 0
+        for ev in d.get("events", []):
+            where = f"env_seed {d['seed']} event {ev['index']}"
+            s0, s1 = ev["span"]
+            l0, l1 = ev["logical_span"]
+            if not 0 <= s0 < s1 <= ev["kv_len_before"]:
+                out.append(f"{where}: span {ev['span']} is not inside the {ev['kv_len_before']} cached rows")
+            if not 0 <= l0 < l1 <= ev["logical_len"]:
+                out.append(
+                    f"{where}: logical span {ev['logical_span']} ends after the context ({ev['logical_len']})"
+                )
+            probe = ev.get("probe_logical_range")
+            if probe is not None and probe[1] > ev["logical_len"]:
+                out.append(f"{where}: probes {probe} come from beyond the context ({ev['logical_len']})")
+            if ev["kv_len_after"] > ev["kv_len_before"]:
+                out.append(f"{where}: the cache grew ({ev['kv_len_before']} -> {ev['kv_len_after']})")
+            if ev["logical_len"] < last:
+                out.append(f"{where}: fired at {ev['logical_len']}, before the previous event ({last})")
+            if protect_prompt and l0 < d["prompt_len"]:
+                out.append(
+                    f"{where}: compacted the protected prompt (logical start {l0} < {d['prompt_len']})"
+                )
+            last = ev["logical_len"]
+    return out
+
+
+def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[str]:
+    """The paired comparison must re-derive from the ``none`` record it names (a sibling cell)."""
+    comp = record["comparison_vs_none"]
+    if comp is None:
+        return []
+    from compaction_gym.leaderboard.record import comparison
+
+    base = next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    base_path = path.parents[2] / base.method / base.budget.label / RECORD_FILE if base is not None else None
+    if base_path is None or not base_path.exists():
+        return ["comparison_vs_none: the none record it was computed against is missing"]
+    baseline = json.loads(base_path.read_text())
+    if baseline.get("content_sha256") != comp.get("baseline_content_sha256"):
+        return ["comparison_vs_none is stale: the none record changed (re-run `leaderboard run` to refresh)"]
+    recomputed = comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+    if recomputed is None or not _close(
+        finite({**recomputed, "baseline_content_sha256": baseline["content_sha256"]}), comp
+    ):
+        return ["comparison_vs_none does not match the episodes of this record and the none record"]
+    return []
+
+
+def check_record(path: str | Path, suite_file: str | Path | None = None) -> CheckResult:
+    """Check the record ``path`` (a ``submission.json`` or its directory) against every rule."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RECORD_FILE
+    result = CheckResult(path)
+    fail = result.failures
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        fail.append(f"unreadable record: {exc}")
+        return result
+    fail.extend(f"schema: {e}" for e in schema_errors(record))
+    if fail:
+        return result
+    if not content_hash_ok(record):
+        fail.append("content hash mismatch: the record was edited after the run")
+    # the files
+    traj_path = path.parent / record["files"]["trajectories"]["path"]
+    if not traj_path.exists():
+        fail.append(f"missing {TRAJECTORIES_FILE}")
+        return result
+    if sha256_file(traj_path) != record["files"]["trajectories"]["sha256"]:
+        fail.append("trajectories.jsonl differs from the one the record was computed from")
+    trajs = [json.loads(line) for line in traj_path.read_text().splitlines() if line.strip()]
+    # the config
+    cell: Cell | None = None
+    try:
+        root = Path(__file__).resolve().parents[2]
+        spec = suite_file or (root / record["suite"]["file"])
+        suite = load_suite(spec if Path(spec).is_file() else record["suite"]["name"])
+        cell = suite.cell(record["method"], record["budget"]["label"])
+    except CompactionGymError as exc:
+        fail.append(f"config: suite or cell not found: {exc}")
+    if sha256_json(record["config"]) != record["config_sha256"]:
+        fail.append("config hash does not match the record's config")
+    if cell is not None and cell.config_sha256() != record["config_sha256"]:
+        fail.append("config hash does not match the suite file (the suite or the record changed)")
+    # seeds and episodes
+    if cell is not None:
+        if record["seeds"] != cell.seeds:
+            fail.append(f"seeds {record['seeds']} are not the suite's {cell.seeds}")
+        expected = Counter((str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s))
+        got = Counter((str(d["info"].get("eval_task_requested")), int(d["seed"])) for d in trajs)
+        if got != expected:
+            extra, missing = got - expected, expected - got
+            fail.append(
+                f"episodes are not the suite's: {sum(missing.values())} missing, {sum(extra.values())} extra or duplicated"
+            )
+    # numbers re-derive from the trajectories
+    if cell is not None:
+        try:
+            rows = [episode_row(Trajectory.from_dict(d)) for d in trajs]
+            recomputed = results(cell, rows)
+        except (KeyError, TypeError, ValueError, CompactionGymError) as exc:
+            fail.append(f"trajectories unreadable: {exc}")
+        else:
+            recomputed = finite(recomputed)
+            for key in ("score", "tasks", "per_seed", "across_seeds", "kv", "tokens", "episodes"):
+                if not _close(recomputed[key], record["results"][key]):
+                    fail.append(f"results.{key} does not match the trajectories")
+    # budget and events
+    if cell is not None:
+        fail.extend(comparison_failures(path, record, suite))
+    over = kv_failures(trajs, record["budget"]["max_kv_len"])
+    fail.extend(over[:5] + ([f"... {len(over) - 5} more budget overruns"] if len(over) > 5 else []))
+    fail.extend(event_failures(trajs, bool(record["config"]["compaction"].get("protect_prompt", True)))[:5])
+    return result
+
+
+def find_records(root: str | Path) -> list[Path]:
+    """Every ``submission.json`` under ``root``, sorted."""
+    return sorted(Path(root).rglob(RECORD_FILE))
+
+
+def check_all(root: str | Path, *, write: bool = True) -> list[CheckResult]:
+    """Check every record under ``root``; with ``write`` each verdict goes to ``compliance.json``
+    next to its record."""
+    from compaction_gym.leaderboard.store import write_json_atomic
+
+    out = []
+    for path in find_records(root):
+        res = check_record(path)
+        if write:
+            write_json_atomic(path.parent / COMPLIANCE_FILE, res.to_dict())
+        out.append(res)
+    return out

@@ -1,0 +1,189 @@
+"""``leaderboard show``: ranked tables (markdown, HTML) and plots of a records directory.
+
+Per suite: one row per record, ranked by score; score ± SE (BALROG), the across-seed SE, the
+paired difference to ``none`` with its 95 % CI and p-values, measured KV (peak and mean),
+retained fraction and compression ratio, tokens, wall time, and the compliance verdict. Plots
+(PNG, matplotlib): score against the KV budget per method with error bars, and score against the
+measured compression ratio (``docs/leaderboard.md``, "Show").
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from compaction_gym.leaderboard.compliance import CheckResult, check_record, find_records
+
+COLUMNS = (
+    "rank", "method", "budget", "max KV", "score %", "seeds SE", "Δ vs none [95% CI]", "p (t / W / sign)",
+    "peak KV (mean / max)", "mean KV", "KV kept", "compression", "tokens", "wall s", "compliant",
+)  # fmt: skip
+
+
+def _f(x: Any, fmt: str = ".1f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def load_records(root: str | Path) -> dict[str, list[tuple[dict[str, Any], CheckResult]]]:
+    """``{suite: [(record, verdict)]}`` for every record under ``root`` (failing ones included)."""
+    out: dict[str, list[tuple[dict[str, Any], CheckResult]]] = defaultdict(list)
+    for path in find_records(root):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        out[str(record.get("suite", {}).get("name", "?"))].append((record, check_record(path)))
+    return dict(out)
+
+
+def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
+    """Table rows ranked by score (compliant records first among equals)."""
+    ranked = sorted(
+        entries, key=lambda e: (-(e[0]["results"]["score"]["mean"] or 0.0), not e[1].ok, e[0]["method"])
+    )
+    out = []
+    for i, (rec, verdict) in enumerate(ranked, 1):
+        res, comp = rec["results"], rec.get("comparison_vs_none")
+        kv = res["kv"]
+        delta = p = "–"
+        if comp:
+            lo, hi = comp["ci95"]
+            delta = f"{comp['mean_diff']:+.1f} [{_f(lo)}, {_f(hi)}]"
+            p = f"{comp['t_pvalue']:.3f} / {comp['wilcoxon_pvalue']:.3f} / {comp['sign_pvalue']:.3f}"
+        out.append(
+            [
+                str(i),
+                rec["method"],
+                rec["budget"]["label"],
+                _f(rec["budget"]["max_kv_len"], "d") if rec["budget"]["max_kv_len"] else "full",
+                f"{_f(res['score']['mean'])} ± {_f(res['score']['se'])}",
+                _f(res["across_seeds"]["se"]),
+                delta,
+                p,
+                f"{_f(kv['peak_mean'], '.0f')} / {kv['peak_max']}",
+                _f(kv["mean_mean"], ".0f"),
+                f"{_f(100 * kv['kv_retained_mean'], '.0f')} %",
+                _f(kv["compression_ratio"], ".2f"),
+                _f(res["tokens"]["mean"], ".0f"),
+                _f(rec["provenance"]["wall_time_s"]),
+                "yes" if verdict.ok else "NO: " + "; ".join(verdict.failures[:2]),
+            ]
+        )
+    return out
+
+
+def markdown(tables: dict[str, list[list[str]]]) -> str:
+    parts = []
+    for suite, body in tables.items():
+        parts.append(f"## {suite}\n")
+        parts.append("| " + " | ".join(COLUMNS) + " |")
+        parts.append("|" + "---|" * len(COLUMNS))
+        parts.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body)
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir: Path) -> list[Path]:
+    """``SUITE_budget.png`` (score vs max KV per method, error bars = SE; ``none`` as a line) and
+    ``SUITE_compression.png`` (score vs measured compression ratio). Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec, _ in entries:
+        by_method[rec["method"]].append(rec)
+    paths = []
+    for kind, xlabel in (
+        ("budget", "KV budget (max_kv_len, rows)"),
+        ("compression", "compression ratio (1 − peak KV / tokens)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        for method, recs in sorted(by_method.items()):
+            if kind == "budget":
+                recs = sorted(
+                    (r for r in recs if r["budget"]["max_kv_len"]), key=lambda r: r["budget"]["max_kv_len"]
+                )
+                if not recs:  # the full-KV baseline: a band
+                    full = by_method[method][0]["results"]["score"]
+                    if full["mean"] is not None:
+                        ax.axhline(
+                            full["mean"],
+                            color="black",
+                            linestyle="--",
+                            linewidth=1,
+                            label=f"{method} (full KV)",
+                        )
+                        if full["se"]:
+                            ax.axhspan(
+                                full["mean"] - full["se"], full["mean"] + full["se"], color="grey", alpha=0.15
+                            )
+                    continue
+                xs = [r["budget"]["max_kv_len"] for r in recs]
+            else:
+                recs = sorted(recs, key=lambda r: r["results"]["kv"]["compression_ratio"])
+                xs = [r["results"]["kv"]["compression_ratio"] for r in recs]
+            ys = [r["results"]["score"]["mean"] for r in recs]
+            es = [r["results"]["score"]["se"] or 0.0 for r in recs]
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+        ax.set_ylim(-3, 103)
+        if kind == "budget":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("score (progression %, mean ± SE)")
+        ax.set_title(f"{suite}: score vs {'KV budget' if kind == 'budget' else 'compression ratio'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{suite}_{kind}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def html_page(tables: dict[str, list[list[str]]], plots: dict[str, list[Path]]) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>compaction-gym leaderboard</title>",
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:2px 6px;text-align:right}td:nth-child(2),td:nth-child(3){text-align:left}.no{color:#b00}</style>",
+        "</head><body><h1>compaction-gym leaderboard</h1>",
+    ]
+    for suite, body in tables.items():
+        parts.append(f"<h2>{html.escape(suite)}</h2><table><tr>")
+        parts.extend(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+        parts.append("</tr>")
+        for row in body:
+            cls = " class='no'" if row[-1].startswith("NO") else ""
+            parts.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        parts.append("</table>")
+        for p in plots.get(suite, []):
+            data = base64.b64encode(p.read_bytes()).decode()
+            parts.append(f"<p><img alt='{html.escape(p.name)}' src='data:image/png;base64,{data}'></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def show(root: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -> tuple[str, list[Path]]:
+    """Render every suite under ``root``: returns the page (markdown or HTML) and the plots written
+    to ``out_dir`` (default ``root``); the page is also written there as ``leaderboard.md|html``."""
+    from compaction_gym.leaderboard.store import write_atomic
+
+    out = Path(out_dir) if out_dir is not None else Path(root)
+    out.mkdir(parents=True, exist_ok=True)
+    records = load_records(root)
+    tables = {suite: rows(entries) for suite, entries in sorted(records.items())}
+    plots = {suite: plot(suite, entries, out) for suite, entries in sorted(records.items())}
+    if fmt == "html":
+        page = html_page(tables, plots)
+    else:
+        page = "# compaction-gym leaderboard\n\n" + markdown(tables)
+        for paths in plots.values():
+            page += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
+    write_atomic(out / f"leaderboard.{fmt}", page)
+    return page, [p for ps in plots.values() for p in ps]

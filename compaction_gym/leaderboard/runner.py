@@ -1,0 +1,346 @@
+"""``leaderboard run``: play a suite's cells, resumably, and write one record per cell.
+
+Per cell ``OUTPUT/SUITE/METHOD/BUDGET/``: ``cell.json`` (its config and hash, written first),
+``trajectories.jsonl`` (one trajectory per finished episode, appended and fsync'd),
+``run.log``, and ``submission.json`` once every episode is in (atomic). Re-running continues
+where a run stopped: finished episodes are read back (deduplicated) and only the missing
+``(task, env seed)`` pairs are played (``docs/leaderboard.md``, "Resuming").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from compaction_gym.agents.evaluate import load_backend, play
+from compaction_gym.agents.trajectory import Trajectory, jsonable
+from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.leaderboard.record import (
+    LOG_FILE,
+    RECORD_FILE,
+    RECORD_SCHEMA,
+    TRAJECTORIES_FILE,
+    comparison,
+    episode_row,
+    results,
+    schema_errors,
+    seal,
+)
+from compaction_gym.leaderboard.store import (
+    TOKENIZER_PATTERNS,
+    WEIGHT_PATTERNS,
+    append_jsonl,
+    hash_files,
+    read_episodes,
+    sha256_file,
+    write_json_atomic,
+)
+from compaction_gym.leaderboard.suite import Cell, Suite
+from compaction_gym.models.registry import resolve_model
+from compaction_gym.provenance import provenance
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "records"
+CELL_FILE = "cell.json"
+
+
+def cell_dir(output: str | Path, cell: Cell) -> Path:
+    return Path(output) / cell.suite / cell.method / cell.budget.label
+
+
+def episode_key(d: dict[str, Any]) -> tuple[str, int]:
+    """A trajectory line's identity: (requested task, env seed)."""
+    return str(d["info"].get("eval_task_requested")), int(d["seed"])
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _log(path: Path, message: str) -> None:
+    with path.open("a") as fh:
+        fh.write(f"{_now()} {message}\n")
+
+
+def hardware(backend: Any) -> dict[str, Any]:
+    """Device, CPU and GPU names, core count, the engine's slots and KV rows per slot."""
+    engine = getattr(backend, "engine", None)
+    info: dict[str, Any] = {
+        "device": str(getattr(engine, "device", "")),
+        "engine_capacity": getattr(engine, "capacity", None),
+        "engine_slots": getattr(engine, "max_slots", None),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu": None,
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except Exception:  # hardware description must never fail a run
+        pass
+    return info
+
+
+def model_block(spec: str) -> dict[str, Any]:
+    """Model spec, resolved path and sha256 of its weight and tokenizer files."""
+    resolved = resolve_model(spec)
+    return {
+        "spec": spec,
+        "resolved": resolved,
+        "weights_sha256": hash_files(resolved, WEIGHT_PATTERNS),
+        "tokenizer_sha256": hash_files(resolved, TOKENIZER_PATTERNS),
+    }
+
+
+def _relative(path: Path) -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def build_record(
+    suite: Suite,
+    cell: Cell,
+    directory: Path,
+    trajectories: Sequence[dict[str, Any]],
+    *,
+    model: dict[str, Any],
+    prov: dict[str, Any],
+) -> dict[str, Any]:
+    """The sealed record of a finished cell (its comparison is attached by :func:`attach_comparisons`)."""
+    rows = [episode_row(Trajectory.from_dict(d)) for d in trajectories]
+    res = results(cell, rows)
+    traj_path = directory / TRAJECTORIES_FILE
+    return seal(
+        {
+            "schema": RECORD_SCHEMA,
+            "suite": {"name": suite.name, "file": _relative(suite.path), "sha256": suite.sha256},
+            "method": cell.method,
+            "budget": cell.budget.to_dict(),
+            "config": cell.config(),
+            "config_sha256": cell.config_sha256(),
+            "seeds": sorted({r["seed"] for r in rows}),
+            "results": res,
+            "comparison_vs_none": None,
+            "model": model,
+            "provenance": prov,
+            "files": {
+                "trajectories": {
+                    "path": TRAJECTORIES_FILE,
+                    "sha256": sha256_file(traj_path),
+                    "lines": len(trajectories),
+                },
+                "log": LOG_FILE,
+            },
+        }
+    )
+
+
+def baseline_cell(suite: Suite) -> Cell | None:
+    """The suite's full-KV cell (the first method with mode ``none``)."""
+    return next((c for c in suite.cells if c.compaction.mode == "none"), None)
+
+
+def load_record(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_suite(
+    suite: Suite,
+    *,
+    methods: Sequence[str] | None = None,
+    budgets: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    output: str | Path = DEFAULT_OUTPUT,
+    backend: Any = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    progress: bool = True,
+    on_episode: Callable[[Cell, Trajectory], None] | None = None,
+    limit_episodes: int | None = None,
+) -> list[Path]:
+    """Play every selected cell of ``suite`` (resuming), write its record; returns the record paths.
+
+    Args:
+        methods: method names to run (default all); the ``none`` baseline runs first when selected.
+        budgets: budget labels to run (``kv1024``, ``r0.25``; default all; ``full`` always runs).
+        seeds: a subset of the suite's seeds (a record is complete only with all of them).
+        output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
+        backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
+        on_episode: called after each episode is on disk (tests use it to interrupt a run).
+        limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
+            are incomplete and fail ``check`` until a full run resumes them).
+    """
+    known = suite.methods
+    chosen = list(methods) if methods else known
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise InvalidArgumentError(f"--methods: unknown {unknown}; suite {suite.name!r} has {known}")
+    run_seeds = list(seeds) if seeds else list(suite.cells[0].seeds)
+    bad = [s for s in run_seeds if s not in suite.cells[0].seeds]
+    if bad:
+        raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {suite.cells[0].seeds}")
+    labels = {c.budget.label for c in suite.cells}
+    if budgets and set(budgets) - labels:
+        raise InvalidArgumentError(
+            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
+        )
+    cells = [
+        c
+        for c in suite.cells
+        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
+    ]
+    if not cells:
+        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
+    cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
+    model = model_block(suite.cells[0].model)
+    if backend is None:
+        engine_kwargs = dict(engine_kwargs or {})
+        if cells[0].capacity:
+            engine_kwargs.setdefault("capacity", cells[0].capacity)
+        backend, _ = load_backend(model["resolved"], max(c.batch for c in cells), engine_kwargs)
+    written: list[Path] = []
+    for n, cell in enumerate(cells, 1):
+        directory = cell_dir(output, cell)
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / LOG_FILE
+        cell_file = directory / CELL_FILE
+        if cell_file.exists():
+            previous = json.loads(cell_file.read_text())
+            if previous["config_sha256"] != cell.config_sha256():
+                raise InvalidArgumentError(
+                    f"{directory}: its episodes were run with another config (hash "
+                    f"{previous['config_sha256'][:12]}, suite now {cell.config_sha256()[:12]}); "
+                    "use another --output or delete that directory"
+                )
+        else:
+            write_json_atomic(cell_file, {"config": cell.config(), "config_sha256": cell.config_sha256()})
+        traj_path = directory / TRAJECTORIES_FILE
+        done = read_episodes(traj_path, episode_key)
+        have = {episode_key(d) for d in done}
+        plan = {
+            t: [e for s in run_seeds for e in cell.env_seeds(s)[:limit_episodes] if (str(t), e) not in have]
+            for t in cell.tasks
+        }
+        missing = sum(len(v) for v in plan.values())
+        print(
+            f"[{n}/{len(cells)}] {suite.name} {cell.key}: {len(done)} episodes on disk, {missing} to play",
+            file=sys.stderr,
+        )
+        started_at = _now()
+        state = json.loads(cell_file.read_text())
+        state.setdefault("started_at", started_at)
+        clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
+
+        def save_clock(
+            state: dict[str, Any] = state, clock: dict[str, float] = clock, cell_file: Path = cell_file
+        ) -> None:
+            """Wall time of every invocation that played episodes, kept across interruptions."""
+            state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
+            write_json_atomic(cell_file, state)
+
+        if missing:
+            _log(
+                log,
+                f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}",
+            )
+
+            def stream(
+                _label: str,
+                traj: Trajectory,
+                cell: Cell = cell,
+                log: Path = log,
+                traj_path: Path = traj_path,
+            ) -> None:
+                traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
+                append_jsonl(traj_path, [jsonable(traj.to_dict())])
+                save_clock()
+                _log(
+                    log,
+                    f"episode task={traj.info['eval_task']} env_seed={traj.seed} score={traj.info.get('progression', traj.info.get('score'))}",
+                )
+                if on_episode is not None:
+                    on_episode(cell, traj)
+
+            play(
+                cell.model,
+                cell.env,
+                tasks=cell.tasks,
+                compaction=cell.compaction,
+                sampling=cell.sampling,
+                prompt=cell.prompt,
+                seeds=plan,
+                batch=cell.batch,
+                env_kwargs=cell.env_kwargs,
+                backend=backend,
+                progress=progress,
+                policy=cell.policy,
+                on_episode=stream,
+                desc=cell.key,
+            )
+        trajectories = read_episodes(traj_path, episode_key)
+        # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
+        wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
+        trajectories = [d for d in trajectories if episode_key(d) in wanted]
+        previous_record = load_record(directory / RECORD_FILE)
+        if (
+            not missing
+            and previous_record is not None
+            and previous_record.get("config_sha256") == cell.config_sha256()
+            and previous_record["files"]["trajectories"]["sha256"] == sha256_file(traj_path)
+        ):
+            written.append(directory / RECORD_FILE)  # nothing new: the record stands as it is
+            continue
+        save_clock()
+        prov = {
+            "started_at": state["started_at"],
+            "finished_at": _now(),
+            "wall_time_s": state["wall_time_s"],
+            **provenance(),
+            "hardware": hardware(backend),
+            "argv": sys.argv,
+        }
+        record = build_record(suite, cell, directory, trajectories, model=model, prov=prov)
+        errors = schema_errors(record)
+        if errors:
+            raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
+        write_json_atomic(directory / RECORD_FILE, record)
+        _log(
+            log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}"
+        )
+        written.append(directory / RECORD_FILE)
+    attach_comparisons(suite, output)
+    return written
+
+
+def attach_comparisons(suite: Suite, output: str | Path) -> None:
+    """Give every record of ``suite`` under ``output`` its paired comparison with the current
+    ``none`` record (rewritten atomically only when it changes)."""
+    base = baseline_cell(suite)
+    if base is None:
+        return
+    baseline = load_record(cell_dir(output, base) / RECORD_FILE)
+    if baseline is None:
+        return
+    for cell in suite.cells:
+        if cell.compaction.mode == "none":
+            continue
+        path = cell_dir(output, cell) / RECORD_FILE
+        record = load_record(path)
+        if record is None:
+            continue
+        comp = comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+        if comp is not None:
+            comp["baseline_content_sha256"] = baseline["content_sha256"]
+        if comp != record.get("comparison_vs_none"):
+            record["comparison_vs_none"] = comp
+            write_json_atomic(path, seal(record))
