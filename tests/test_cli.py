@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 
@@ -26,3 +28,21 @@ def test_console_script_runs():
         [sys.executable, "-m", "compaction_gym.cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "compaction-gym" in out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["version"], ["eval", "--help"], ["serve", "--help"], ["demos", "--help"], ["leaderboard", "--help"]])
+def test_parsers_build_without_heavy_imports(argv):
+    """`compaction-gym --help`, `version` and most commands' help import neither torch,
+    transformers nor trl (a subprocess, so this test's own imports do not count)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from compaction_gym.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main({argv!r})\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'trl') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

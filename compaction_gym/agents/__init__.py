@@ -1,22 +1,21 @@
 """LLM agents that hold a compacted KV session per episode, their trajectories, and evaluation."""
 
-from compaction_gym.agents.agent import CompactionAgent, act_batch
-from compaction_gym.agents.chat import ChatFormat
-from compaction_gym.agents.prompts import PROMPT_FORMATS, PromptFormat, get_prompt_format
-from compaction_gym.agents.rollout import run_episode, run_episodes
-from compaction_gym.agents.trajectory import Trajectory, Turn, read_jsonl, write_jsonl
+from compaction_gym.lazy import lazy_exports
 
-__all__ = [
-    "PROMPT_FORMATS",
-    "ChatFormat",
-    "CompactionAgent",
-    "PromptFormat",
-    "Trajectory",
-    "Turn",
-    "act_batch",
-    "get_prompt_format",
-    "read_jsonl",
-    "run_episode",
-    "run_episodes",
-    "write_jsonl",
-]
+_EXPORTS: dict[str, str] = {
+    "CompactionAgent": "compaction_gym.agents.agent",
+    "act_batch": "compaction_gym.agents.agent",
+    "ChatFormat": "compaction_gym.agents.chat",
+    "PROMPT_FORMATS": "compaction_gym.agents.prompts",
+    "PromptFormat": "compaction_gym.agents.prompts",
+    "get_prompt_format": "compaction_gym.agents.prompts",
+    "run_episode": "compaction_gym.agents.rollout",
+    "run_episodes": "compaction_gym.agents.rollout",
+    "Trajectory": "compaction_gym.agents.trajectory",
+    "Turn": "compaction_gym.agents.trajectory",
+    "read_jsonl": "compaction_gym.agents.trajectory",
+    "write_jsonl": "compaction_gym.agents.trajectory",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,17 +13,17 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 
-from compaction_gym.agents.agent import CompactionAgent
 from compaction_gym.agents.prompts import get_prompt_format
-from compaction_gym.agents.rollout import run_episodes
-from compaction_gym.agents.trajectory import Trajectory
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.models.registry import model_defaults, resolve_model
+
+if TYPE_CHECKING:  # torch-free at import: the CLI builds its parser from this module's defaults
+    from compaction_gym.agents.trajectory import Trajectory
 
 BABYAI_ENTRY = "compaction_gym.envs.babyai.env:BabyAITextEnv"
 #: task label per episode, read from ``info`` when the env picks the task itself.
@@ -184,6 +184,9 @@ def play(
             task asked for, ``None`` when the env picks) and ``eval_episode``.
     """
     from tqdm.auto import tqdm
+
+    from compaction_gym.agents.agent import CompactionAgent
+    from compaction_gym.agents.rollout import run_episodes
 
     if batch < 1:
         raise InvalidArgumentError(f"batch must be >= 1, got {batch}")

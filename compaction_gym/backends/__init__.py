@@ -2,8 +2,13 @@
 :class:`LocalBackend` (the embedded engine) and :class:`ScriptedBackend` (model-free, for tests).
 The HTTP client, :class:`~compaction_gym.servers.HTTPBackend`, lives with the server it talks to."""
 
-from compaction_gym.backends.local import LocalBackend
-from compaction_gym.backends.protocol import Backend
-from compaction_gym.backends.scripted import ScriptedBackend
+from compaction_gym.lazy import lazy_exports
 
-__all__ = ["Backend", "LocalBackend", "ScriptedBackend"]
+_EXPORTS: dict[str, str] = {
+    "LocalBackend": "compaction_gym.backends.local",
+    "Backend": "compaction_gym.backends.protocol",
+    "ScriptedBackend": "compaction_gym.backends.scripted",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

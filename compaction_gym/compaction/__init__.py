@@ -4,32 +4,27 @@ Every function takes tensors batched over a leading ``B`` = layers × KV heads a
 in one call. See ``docs/compaction.md`` for the math, shapes and modes.
 """
 
-from compaction_gym.compaction.apply import apply_event
-from compaction_gym.compaction.beta import fit_beta, nnls
-from compaction_gym.compaction.compact import CompactionResult, compact
-from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES, target_size
-from compaction_gym.compaction.probes import event_probes, gqa_probes, key_probe_rows, random_probes
-from compaction_gym.compaction.rowmap import RowMap, Segment
-from compaction_gym.compaction.scoring import select_keys
-from compaction_gym.compaction.values import fit_values
+from compaction_gym.lazy import lazy_exports
 
-__all__ = [
-    "COMPACTION_MODES",
-    "QUERY_MODES",
-    "CompactionEvent",
-    "CompactionResult",
-    "RowMap",
-    "Segment",
-    "apply_event",
-    "compact",
-    "event_probes",
-    "fit_beta",
-    "fit_values",
-    "gqa_probes",
-    "key_probe_rows",
-    "nnls",
-    "random_probes",
-    "select_keys",
-    "target_size",
-]
+_EXPORTS: dict[str, str] = {
+    "apply_event": "compaction_gym.compaction.apply",
+    "fit_beta": "compaction_gym.compaction.beta",
+    "nnls": "compaction_gym.compaction.beta",
+    "CompactionResult": "compaction_gym.compaction.compact",
+    "compact": "compaction_gym.compaction.compact",
+    "CompactionEvent": "compaction_gym.compaction.events",
+    "COMPACTION_MODES": "compaction_gym.compaction.modes",
+    "QUERY_MODES": "compaction_gym.compaction.modes",
+    "target_size": "compaction_gym.compaction.modes",
+    "event_probes": "compaction_gym.compaction.probes",
+    "gqa_probes": "compaction_gym.compaction.probes",
+    "key_probe_rows": "compaction_gym.compaction.probes",
+    "random_probes": "compaction_gym.compaction.probes",
+    "RowMap": "compaction_gym.compaction.rowmap",
+    "Segment": "compaction_gym.compaction.rowmap",
+    "select_keys": "compaction_gym.compaction.scoring",
+    "fit_values": "compaction_gym.compaction.values",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

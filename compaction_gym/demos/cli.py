@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import compaction_gym.demos as package
 from compaction_gym.cli_args import (
     add_dataclass_arguments,
     add_script_command,
@@ -12,7 +13,6 @@ from compaction_gym.cli_args import (
     run_script,
     script_parser,
 )
-from compaction_gym.demos import recorder
 from compaction_gym.demos.demos_config import DemosConfig
 from compaction_gym.errors import InvalidArgumentError
 
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "demos",
         help="record expert-bot BabyAI demonstrations through compacted sessions (SFT data)",
-        doc=recorder.__doc__,
+        doc=package.__doc__,
         add_arguments=add_arguments,
         run=run,
     )
@@ -58,12 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``compaction-gym demos``."""
+    from compaction_gym.demos import recorder
+
     return run_script("compaction-gym demos", args, parse_script_arguments, recorder.main)
 
 
 def make_parser() -> argparse.ArgumentParser:
     """A standalone parser (``python -m compaction_gym.demos.cli``)."""
-    return script_parser("compaction-gym demos", recorder.__doc__, add_arguments)
+    return script_parser("compaction-gym demos", package.__doc__, add_arguments)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,17 @@ Files, the nano-vllm way: :mod:`~compaction_gym.engine.engine` (public API),
 :mod:`~compaction_gym.engine.compactor` (triggers and events), :mod:`~compaction_gym.engine.session`.
 """
 
-from compaction_gym.engine.config import CompactionConfig, SamplingParams
-from compaction_gym.engine.engine import Engine
-from compaction_gym.engine.session import SessionView
-from compaction_gym.engine.types import CreateRequest, StepRequest, StepResult
+from compaction_gym.lazy import lazy_exports
 
-__all__ = [
-    "CompactionConfig",
-    "CreateRequest",
-    "Engine",
-    "SamplingParams",
-    "SessionView",
-    "StepRequest",
-    "StepResult",
-]
+_EXPORTS: dict[str, str] = {
+    "CompactionConfig": "compaction_gym.engine.config",
+    "SamplingParams": "compaction_gym.engine.config",
+    "Engine": "compaction_gym.engine.engine",
+    "SessionView": "compaction_gym.engine.session",
+    "CreateRequest": "compaction_gym.engine.types",
+    "StepRequest": "compaction_gym.engine.types",
+    "StepResult": "compaction_gym.engine.types",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

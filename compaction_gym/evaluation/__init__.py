@@ -6,18 +6,19 @@ the leaderboard (:mod:`compaction_gym.leaderboard`) builds on it. ``docs/eval.md
 
 from __future__ import annotations
 
-from compaction_gym.evaluation.evaluate import evaluate
-from compaction_gym.evaluation.stats import PairedComparison, mean, paired_comparison, pop_se, sample_se
-from compaction_gym.evaluation.summary import SUMMARY_SCHEMA, episode_stats, summarize
+from compaction_gym.lazy import lazy_exports
 
-__all__ = [
-    "SUMMARY_SCHEMA",
-    "PairedComparison",
-    "episode_stats",
-    "evaluate",
-    "mean",
-    "paired_comparison",
-    "pop_se",
-    "sample_se",
-    "summarize",
-]
+_EXPORTS: dict[str, str] = {
+    "evaluate": "compaction_gym.evaluation.evaluate",
+    "PairedComparison": "compaction_gym.evaluation.stats",
+    "mean": "compaction_gym.evaluation.stats",
+    "paired_comparison": "compaction_gym.evaluation.stats",
+    "pop_se": "compaction_gym.evaluation.stats",
+    "sample_se": "compaction_gym.evaluation.stats",
+    "SUMMARY_SCHEMA": "compaction_gym.evaluation.summary",
+    "episode_stats": "compaction_gym.evaluation.summary",
+    "summarize": "compaction_gym.evaluation.summary",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

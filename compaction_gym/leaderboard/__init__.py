@@ -7,20 +7,20 @@ imports it.
 
 from __future__ import annotations
 
-from compaction_gym.leaderboard.compliance import CheckResult, check_all, check_record
-from compaction_gym.leaderboard.record import RECORD_SCHEMA, schema_errors
-from compaction_gym.leaderboard.runner import run_suite
-from compaction_gym.leaderboard.suite import Budget, Cell, Suite, load_suite
+from compaction_gym.lazy import lazy_exports
 
-__all__ = [
-    "RECORD_SCHEMA",
-    "Budget",
-    "Cell",
-    "CheckResult",
-    "Suite",
-    "check_all",
-    "check_record",
-    "load_suite",
-    "run_suite",
-    "schema_errors",
-]
+_EXPORTS: dict[str, str] = {
+    "CheckResult": "compaction_gym.leaderboard.compliance",
+    "check_all": "compaction_gym.leaderboard.compliance",
+    "check_record": "compaction_gym.leaderboard.compliance",
+    "RECORD_SCHEMA": "compaction_gym.leaderboard.record",
+    "schema_errors": "compaction_gym.leaderboard.record",
+    "run_suite": "compaction_gym.leaderboard.runner",
+    "Budget": "compaction_gym.leaderboard.suite",
+    "Cell": "compaction_gym.leaderboard.suite",
+    "Suite": "compaction_gym.leaderboard.suite",
+    "load_suite": "compaction_gym.leaderboard.suite",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,7 +16,7 @@ from compaction_gym.errors import CompactionGymError
 
 def register(subparsers: Any) -> None:
     """Add ``leaderboard`` (with ``run``, ``show``, ``check``) to the ``compaction-gym`` command."""
-    from compaction_gym.leaderboard.runner import DEFAULT_OUTPUT
+    from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT
 
     parser = subparsers.add_parser(
         "leaderboard",

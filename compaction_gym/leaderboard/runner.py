@@ -42,11 +42,10 @@ from compaction_gym.leaderboard.store import (
     sha256_file,
     write_json_atomic,
 )
-from compaction_gym.leaderboard.suite import Cell, Suite
+from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, Cell, Suite
 from compaction_gym.models.registry import resolve_model
 from compaction_gym.provenance import provenance
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "records"
 CELL_FILE = "cell.json"
 
 

@@ -19,6 +19,8 @@ from compaction_gym.errors import InvalidArgumentError
 
 #: where ``leaderboard run NAME`` looks for ``NAME.toml`` (besides a path given as is).
 SUITES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "suites"
+#: Where ``leaderboard run`` writes records and ``show``/``check`` read them.
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "records"
 SUITE_KEYS = {
     "name", "description", "env", "tasks", "episodes", "seeds", "model", "tokenizer", "prompt", "batch",
     "env_kwargs", "reference_kv_len", "capacity", "sampling", "compaction", "budgets", "methods", "policy",

@@ -1,5 +1,12 @@
-"""Gymnasium wrappers that put LLM agents in the loop."""
+"""Gymnasium wrappers that put an LLM agent (``LLMAgentWrapper``) or the expert teacher
+(``ExpertDemoWrapper``) in the loop."""
 
-from compaction_gym.wrappers.llm_agent import LLMAgentWrapper
+from compaction_gym.lazy import lazy_exports
 
-__all__ = ["LLMAgentWrapper"]
+_EXPORTS: dict[str, str] = {
+    "LLMAgentWrapper": "compaction_gym.wrappers.llm_agent",
+    "ExpertDemoWrapper": "compaction_gym.wrappers.expert_demos",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
