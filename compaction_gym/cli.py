@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 import compaction_gym
+from compaction_gym.errors import CompactionGymError
 
 #: subcommand -> (module that registers it, one-line help used if the module cannot be imported)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -28,6 +30,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compaction-gym",
         description="LLM agents in Gymnasium envs with compacted KV-cache sessions, and their trainers.",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: $COMPACTION_GYM_THREADS, else 1 on machines with <= 2 "
+        "cores, where a second thread competing with other work makes runs up to 10x slower; "
+        "else torch's own default)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the package version")
@@ -53,13 +64,47 @@ def _unavailable(name: str, reason: str):
     return run
 
 
+def cpu_threads(requested: int | None) -> int | None:
+    """The torch CPU thread count a command runs with (``None``: torch's default); see ``--threads``."""
+    if requested is None and os.environ.get("COMPACTION_GYM_THREADS"):
+        requested = int(os.environ["COMPACTION_GYM_THREADS"])
+    if requested is None and (os.cpu_count() or 1) <= 2:
+        requested = 1
+    return requested
+
+
+def _apply_threads(threads: int | None) -> None:
+    """Before torch is imported, its thread pools read these; after, set them directly."""
+    if threads is None:
+        return
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0
-    result = args.func(args)
+    try:
+        threads = cpu_threads(args.threads)
+    except ValueError:
+        parser.error(f"COMPACTION_GYM_THREADS must be an integer, got {os.environ['COMPACTION_GYM_THREADS']!r}")
+    if threads is not None and threads < 1:
+        parser.error(f"--threads must be >= 1, got {threads}")
+    if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:
+        _apply_threads(threads)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:  # what finished is kept by the commands (records and JSONL are appended as they go)
+        print(f"compaction-gym {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except CompactionGymError as exc:
+        print(f"compaction-gym {args.command}: {exc}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
+import argparse
 import subprocess
 import sys
+
+import pytest
 
 import compaction_gym
 from compaction_gym.cli import SUBCOMMANDS, main, make_parser
@@ -46,3 +47,43 @@ def test_parsers_build_without_heavy_imports(argv):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_thread_default_and_flag(monkeypatch):
+    """One thread by default on a <= 2-core machine (a busy 2-core box runs 10x slower with two);
+    --threads and $COMPACTION_GYM_THREADS override it; bad values are a usage error (exit 2)."""
+    import os
+
+    from compaction_gym import cli
+
+    monkeypatch.delenv("COMPACTION_GYM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert cli.cpu_threads(None) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cli.cpu_threads(None) is None and cli.cpu_threads(3) == 3
+    monkeypatch.setenv("COMPACTION_GYM_THREADS", "2")
+    assert cli.cpu_threads(None) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--threads", "0", "version"])
+    assert exit_info.value.code == 2
+
+
+def test_interrupt_and_library_errors_end_in_one_line(monkeypatch, capsys):
+    from compaction_gym import cli
+    from compaction_gym.errors import InvalidArgumentError
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def refused(args):
+        raise InvalidArgumentError("max_kv_len must be positive")
+
+    make_parser = cli.make_parser
+    for func, code, text in ((interrupted, 130, "interrupted"), (refused, 2, "max_kv_len must be positive")):
+        parser = make_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.add_parser("boom").set_defaults(func=func)
+        monkeypatch.setattr(cli, "make_parser", lambda parser=parser: parser)
+        assert cli.main(["boom"]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and text in err[0]
