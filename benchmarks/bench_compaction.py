@@ -7,7 +7,7 @@ K/V/queries are random (seeded), so the logits have a realistic spread but no sp
 
 Rows, each the median of ``--repeats`` runs (wall time, device synchronised):
 
-* ``compact`` — :func:`compaction_gym.compaction.compact` (the reference implementation);
+* ``compact`` — :func:`compaction_gym.compaction.api` (the reference implementation);
 * ``compact_fast`` — :func:`compaction_gym.engine.fast.compact_fast` (fused kernels);
 * ``engine event`` — the whole event the engine runs (``Compactor.compact`` with the fast
   function: probe selection from the query ring, compaction, write-back into the slot cache,

@@ -183,3 +183,22 @@ def test_the_checks_catch_violations(tmp_path, rule):
             check()
     finally:
         ROOT, MODULES = saved
+
+
+def test_lazy_exports_do_not_shadow_submodules():
+    """A lazily exported name must not be a submodule's name too: once the submodule is imported,
+    Python binds the package attribute to the module, and ``from package import name`` returns the
+    module instead of the function (seen with ``compaction.compact`` and ``evaluation.evaluate``)."""
+    import importlib
+    import pkgutil
+
+    clashes = {}
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        package = importlib.import_module(name)
+        exports = getattr(package, "_EXPORTS", None) or getattr(package, "_LAZY", None) or {}
+        submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        if set(exports) & submodules:
+            clashes[name] = sorted(set(exports) & submodules)
+    assert not clashes, clashes

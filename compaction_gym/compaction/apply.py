@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from compaction_gym.compaction import _checks as C
+from compaction_gym.compaction.api import CompactionResult, compact, kept_rows
 from compaction_gym.compaction.beta import fit_beta
-from compaction_gym.compaction.compact import CompactionResult, compact, kept_rows
 from compaction_gym.compaction.modes import COMPACTION_MODES
 from compaction_gym.compaction.values import check_beta, fit_values
 from compaction_gym.errors import InvalidArgumentError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-#: Modes :func:`~compaction_gym.compaction.compact` accepts (the config's ``none`` means "never compact").
+#: Modes :func:`~compaction_gym.compaction.api` accepts (the config's ``none`` means "never compact").
 COMPACTION_MODES: tuple[str, ...] = (
     "attention_matching",
     "markovian",

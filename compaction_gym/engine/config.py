@@ -16,7 +16,7 @@ CompactionMode = str
 #: a probe source name: one of :data:`PROBE_SOURCES`
 ProbeSource = str
 
-#: :func:`~compaction_gym.compaction.compact`'s modes, and ``none`` (sessions never compact).
+#: :func:`~compaction_gym.compaction.api`'s modes, and ``none`` (sessions never compact).
 COMPACTION_MODES: tuple[str, ...] = ("none", *_COMPACT_MODES)
 DEFAULT_BUDGET_TEMPLATE = "Budget: {used}/{total} tokens generated. ~{remaining} tokens remaining."
 INT32_MAX = 2**31 - 1

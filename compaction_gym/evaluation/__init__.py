@@ -9,7 +9,7 @@ from __future__ import annotations
 from compaction_gym.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "evaluate": "compaction_gym.evaluation.evaluate",
+    "evaluate": "compaction_gym.evaluation.run",
     "PairedComparison": "compaction_gym.evaluation.stats",
     "mean": "compaction_gym.evaluation.stats",
     "paired_comparison": "compaction_gym.evaluation.stats",

@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``compaction-gym eval`` from parsed arguments; returns the exit code."""
     from rich.console import Console
 
-    from compaction_gym.evaluation.evaluate import evaluate
+    from compaction_gym.evaluation.run import evaluate
     from compaction_gym.evaluation.table import render_table
 
     console = Console()

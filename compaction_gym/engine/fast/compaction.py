@@ -1,6 +1,6 @@
 """Attention Matching in one pass over the cache: fused Triton kernels, no ``[B, n, T]`` tensor.
 
-:func:`compact_fast` computes what :func:`compaction_gym.compaction.compact` computes for
+:func:`compact_fast` computes what :func:`compaction_gym.compaction.api` computes for
 ``mode="attention_matching"`` (same selection rule, same β target and NNLS, same ridge C2), for
 all layers × KV heads at once, without materialising the probe × key logits:
 
@@ -23,7 +23,7 @@ all layers × KV heads at once, without materialising the probe × key logits:
 
 Products of bf16 keys and queries are exact in the kernels' float32 accumulators, so the scores
 match the reference's float32 scores to rounding. Other modes, CPU tensors and machines without
-Triton go to :func:`~compaction_gym.compaction.compact` itself.
+Triton go to :func:`~compaction_gym.compaction.api` itself.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def compact_fast(
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
 ) -> CompactionResult:
-    """:func:`~compaction_gym.compaction.compact` with the fused GPU path for Attention Matching.
+    """:func:`~compaction_gym.compaction.api` with the fused GPU path for Attention Matching.
 
     Same arguments and result (``query_positions`` and ``n_kv_heads`` only matter to the
     selection baselines, which go to ``compact``). Runs the fused kernels when ``mode="attention_matching"``, the
