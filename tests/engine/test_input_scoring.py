@@ -1,0 +1,133 @@
+"""Scoring fed tokens (``score_input``): plain forward without compaction, replay with it.
+
+References: a plain HF forward's log-softmax over the session's tokens (nothing compacted), and
+``replay_logprobs(..., positions=...)`` of the session's trajectory (compaction between steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from compaction_gym.engine import CompactionConfig, CreateRequest, Engine, SamplingParams, StepRequest
+from compaction_gym.engine.types import StepResult
+from compaction_gym.trainers.replay import replay_logprobs
+
+FORCE = SamplingParams(max_new_tokens=0)
+GEN = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def plain_logprobs(model, tokens: list[int]) -> list[float]:
+    """``out[p] = log_softmax(logits[p - 1])[tokens[p]]`` of one plain forward (``out[0]`` = NaN)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    return [math.nan, *lp.tolist()]
+
+
+def check(result: StepResult, reference: list[float], start: int, tol: float) -> None:
+    """``result.input_logprobs`` equal ``reference`` at the logical positions of its input."""
+    got = result.input_logprobs
+    assert got is not None and len(got) == result.prompt_len
+    for i, lp in enumerate(got):
+        ref = reference[start + i]
+        if math.isnan(ref):
+            assert lp is None
+        else:
+            assert lp is not None and abs(lp - ref) < tol, (start + i, lp, ref)
+
+
+@pytest.fixture
+def chunked(tiny_model_path):
+    """An engine whose prefill chunk (7) splits every input."""
+    return Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cpu", max_slots=4, capacity=512, prefill_chunk=7
+    )
+
+
+def test_uncompacted_scores_equal_plain_forward(chunked, tiny_model):
+    """Several steps (forced and generating), chunk boundaries, a batch with other sessions."""
+    r = chunked.create_session(ids(17, 0), None, FORCE, score_input=True)
+    assert r.input_logprobs[0] is None
+    results = [(r, 0)]
+    other = chunked.create_session(ids(9, 1), None, GEN.replace(seed=1))
+    steps = [(ids(12, 2), FORCE), (ids(1, 3), GEN.replace(seed=3)), (ids(15, 4), FORCE), ([], GEN), (ids(5, 5), FORCE)]
+    for new, sampling in steps:
+        # the pending sampled token of the previous response is fed before `new` (not scored)
+        start = len(chunked.session(r.session_id).token_ids)
+        batch = chunked.step_batch(
+            [
+                CreateRequest(ids(11, start), None, GEN.replace(seed=start)),
+                StepRequest(r.session_id, new, sampling, score_input=True),
+                StepRequest(other.session_id, ids(3, start), GEN),
+            ]
+        )
+        results.append((batch[1], start))
+        chunked.close(batch[0].session_id)
+        assert batch[0].input_logprobs is None and batch[2].input_logprobs is None
+    reference = plain_logprobs(tiny_model, chunked.session(r.session_id).token_ids)
+    for res, start in results:
+        check(res, reference, start, 1e-5)
+    assert results[4][0].input_logprobs == []
+
+
+def test_scoring_does_not_change_the_session(tiny_model_path):
+    """Same tokens and cache with and without scoring (it only reads logits); the sampled tokens'
+    log-probs agree to float32 rounding (the LM head then runs over every column, not just the last)."""
+    views = []
+    for score in (False, True):
+        engine = Engine.from_pretrained(
+            tiny_model_path, dtype=torch.float32, device="cpu", max_slots=2, capacity=512, prefill_chunk=5
+        )
+        cfg = CompactionConfig(mode="attention_matching", max_kv_len=48, compact_window=24)
+        r = engine.create_session(ids(20, 7), cfg, GEN.replace(seed=7), score_input=score)
+        engine.step(r.session_id, ids(30, 8), score_input=score)
+        views.append((engine.session(r.session_id), engine.read_cache(r.session_id)))
+    (a, ca), (b, cb) = views
+    assert a.token_ids == b.token_ids and len(a.events) == len(b.events) > 0
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompactionConfig(mode="attention_matching", max_kv_len=48, compact_window=24, compute_beta=True),
+        CompactionConfig(mode="streaming", max_kv_len=40, compact_window=16),
+        CompactionConfig(mode="markovian", max_kv_len=40, compact_window=16),
+        CompactionConfig(mode="snapkv", n_protect_turns=0),
+    ],
+    ids=["am+beta", "streaming", "markovian", "snapkv-turn"],
+)
+def test_compacted_scores_equal_replay(chunked, tiny_model, config):
+    """Compaction fires between (and inside) steps: scores equal replaying the trajectory."""
+    r = chunked.create_session(ids(12, 10), config, GEN.replace(seed=10), score_input=True)
+    results = [(r, 0)]
+    for t, (n, sampling) in enumerate([(20, FORCE), (9, GEN), (25, FORCE), (6, GEN), (30, FORCE)]):
+        start = len(chunked.session(r.session_id).token_ids)
+        sampling = sampling.replace(seed=t) if sampling.max_new_tokens else sampling
+        res = chunked.step(r.session_id, ids(n, 11 + t), sampling, score_input=True)
+        results.append((res, start))
+    view = chunked.session(r.session_id)
+    assert len(view.events) >= 2
+    positions = [start + i for res, start in results for i in range(res.prompt_len) if start + i > 0]
+    replayed = replay_logprobs(tiny_model, view, positions=positions)
+    reference = [math.nan, *replayed[1:].double().tolist()]
+    for res, start in results:
+        check(res, reference, start, 1e-4)
+    # and compaction changed them: they differ from a plain forward somewhere
+    plain = plain_logprobs(tiny_model, view.token_ids)
+    assert max(abs(plain[p] - reference[p]) for p in positions) > 1e-3
+
+
+def test_step_result_round_trips_input_logprobs():
+    r = StepResult("s", [1], [0.0], [1], "", "length", input_logprobs=[None, -1.5])
+    assert StepResult.from_dict(r.to_dict()).input_logprobs == [None, -1.5]
+    assert StepResult.from_dict({**r.to_dict(), "input_logprobs": None}).input_logprobs is None
