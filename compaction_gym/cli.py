@@ -13,6 +13,7 @@ import compaction_gym
 #: subcommand -> (module that registers it, one-line help used if the module cannot be imported)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("compaction_gym.agents.evaluate", "run an agent on an env for N episodes and summarise"),
+    "eval-lm": ("compaction_gym.lmeval.cli", "perplexity / bits per byte of a text under compacted KV caches"),
     "serve": ("compaction_gym.servers.cli", "serve the session API over HTTP"),
     "train": ("compaction_gym.trainers.cli", "train with GRPO replay, tree SFT or GJS distillation"),
     "demos": ("compaction_gym.demos.cli", "record expert-bot BabyAI demonstrations through compacted sessions"),
