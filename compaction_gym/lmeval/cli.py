@@ -137,9 +137,11 @@ def run(args: argparse.Namespace) -> tuple[list[CellResult], dict[str, Any]]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_tokens]
     if len(ids) < 2:
         raise InvalidArgumentError(f"--text {args.text}: fewer than 2 tokens")
+    # one slot holds the whole text (the `none` cell) or a budget plus one chunk, whichever is larger
+    capacity = max(len(ids), max((c.config.max_kv_len or 0) + args.chunk for c in cells))
     engine = Engine(
-        model, tokenizer, max_slots=min(args.max_batch, len(cells)), capacity=len(ids), prefill_chunk=args.prefill_chunk,
-        fast=args.fast,
+        model, tokenizer, max_slots=min(args.max_batch, len(cells)), capacity=capacity,
+        prefill_chunk=args.prefill_chunk, fast=args.fast,
     )  # fmt: skip
     bar = tqdm(
         total=len(ids) * len(cells), desc="eval-lm", unit="tok", disable=not args.progress, file=sys.stderr

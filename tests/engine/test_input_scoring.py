@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from compaction_gym.engine import CompactionConfig, CreateRequest, Engine, SamplingParams, StepRequest
 from compaction_gym.engine.types import StepResult
@@ -58,7 +60,13 @@ def test_uncompacted_scores_equal_plain_forward(chunked, tiny_model):
     assert r.input_logprobs[0] is None
     results = [(r, 0)]
     other = chunked.create_session(ids(9, 1), None, GEN.replace(seed=1))
-    steps = [(ids(12, 2), FORCE), (ids(1, 3), GEN.replace(seed=3)), (ids(15, 4), FORCE), ([], GEN), (ids(5, 5), FORCE)]
+    steps = [
+        (ids(12, 2), FORCE),
+        (ids(1, 3), GEN.replace(seed=3)),
+        (ids(15, 4), FORCE),
+        ([], GEN),
+        (ids(5, 5), FORCE),
+    ]
     for new, sampling in steps:
         # the pending sampled token of the previous response is fed before `new` (not scored)
         start = len(chunked.session(r.session_id).token_ids)
@@ -76,6 +84,36 @@ def test_uncompacted_scores_equal_plain_forward(chunked, tiny_model):
     for res, start in results:
         check(res, reference, start, 1e-5)
     assert results[4][0].input_logprobs == []
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(0, 23), min_size=1, max_size=5),
+    first=st.integers(1, 20),
+    prefill_chunk=st.integers(1, 16),
+)
+def test_scores_do_not_depend_on_how_the_text_is_split(
+    tiny_model_path, tiny_model, sizes, first, prefill_chunk
+):
+    """Any split into calls and prefill chunks: the plain forward's log-probs (nothing compacted)."""
+    engine = Engine.from_pretrained(
+        tiny_model_path,
+        dtype=torch.float32,
+        device="cpu",
+        max_slots=1,
+        capacity=256,
+        prefill_chunk=prefill_chunk,
+    )
+    tokens = ids(first + sum(sizes), 99)
+    r = engine.create_session(tokens[:first], None, FORCE, score_input=True)
+    got = list(r.input_logprobs)
+    start = first
+    for n in sizes:
+        got += engine.step(r.session_id, tokens[start : start + n], FORCE, score_input=True).input_logprobs
+        start += n
+    reference = plain_logprobs(tiny_model, tokens)
+    assert got[0] is None and all(x is not None for x in got[1:])
+    assert max((abs(a - b) for a, b in zip(got[1:], reference[1:])), default=0.0) < 1e-5
 
 
 def test_scoring_does_not_change_the_session(tiny_model_path):
@@ -131,3 +169,43 @@ def test_step_result_round_trips_input_logprobs():
     r = StepResult("s", [1], [0.0], [1], "", "length", input_logprobs=[None, -1.5])
     assert StepResult.from_dict(r.to_dict()).input_logprobs == [None, -1.5]
     assert StepResult.from_dict({**r.to_dict(), "input_logprobs": None}).input_logprobs is None
+
+
+@pytest.mark.gpu
+def test_fast_runner_scores_like_the_generic_one(tiny_model_path):
+    """CUDA: the fast runner's flat prefill scores inputs as the generic runner does, through
+    KV-budget compaction and decode graphs, in a batch with a non-scoring session."""
+    from compaction_gym.engine.fast import FastModelRunner
+
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=96, compact_window=48, compute_beta=True)
+    out = {}
+    for fast in (False, True):
+        eng = Engine.from_pretrained(
+            tiny_model_path,
+            dtype=torch.float32,
+            device="cuda",
+            max_slots=4,
+            capacity=1024,
+            prefill_chunk=40,
+            fast=fast,
+        )
+        assert isinstance(eng.runner, FastModelRunner) == fast
+        a = eng.create_session(ids(50, 20), cfg, FORCE, score_input=True)
+        b = eng.create_session(ids(7, 21), cfg, GEN.replace(temperature=0.0, max_new_tokens=8))
+        results = [a]
+        for t in range(4):
+            sampling = GEN.replace(temperature=0.0) if t % 2 else FORCE
+            rs = eng.step_batch(
+                [
+                    StepRequest(a.session_id, ids(30 + t, 22 + t), sampling, score_input=True),
+                    StepRequest(b.session_id, [5]),
+                ]
+            )
+            results.append(rs[0])
+            assert rs[1].input_logprobs is None
+        out[fast] = results
+    assert sum(len(r.events) for r in out[True]) > 0
+    for r_gen, r_fast in zip(out[False], out[True]):
+        assert len(r_gen.input_logprobs) == len(r_fast.input_logprobs) == r_gen.prompt_len
+        for x, y in zip(r_gen.input_logprobs, r_fast.input_logprobs):
+            assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-4), (x, y)
