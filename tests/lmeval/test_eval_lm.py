@@ -152,6 +152,18 @@ def test_cli_single_mode_line_and_bad_arguments(tiny_model_path, capsys):
         cli_main(base + ["--no-reference", "--mode", "streaming", "--max-kv-len", "24", "--chunk", "8"]) == 0
     )
     assert "streaming@24: mean NLL" in capsys.readouterr().out
+    beta = [
+        "--no-reference",
+        "--mode",
+        "attention_matching",
+        "--compute-beta",
+        "--max-kv-len",
+        "24",
+        "--chunk",
+        "8",
+    ]
+    assert cli_main(base + beta) == 0
+    assert "attention_matching+beta@24: mean NLL" in capsys.readouterr().out
     assert cli_main(base + ["--mode", "h2o"]) == 2
     assert "needs a KV budget" in capsys.readouterr().err
     assert cli_main(base + ["--score-after", "40"]) == 2
