@@ -81,11 +81,17 @@ def cut_at_stop(tokens: list[int], limit: int, stop_ids: Collection[int]) -> int
     return next((i + 1 for i, t in enumerate(tokens[:limit]) if t in stop_ids), min(limit, len(tokens)))
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """float32 ``log_softmax(logits[j])[targets[j]]`` for logits ``[n, V]`` (any dtype) and targets ``[n]``."""
-    if not len(targets):
-        return torch.zeros(0, dtype=torch.float32, device=logits.device)
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows_per_pass: int = 256) -> torch.Tensor:
+    """float32 ``log_softmax(logits[j])[targets[j]]`` for logits ``[n, V]`` (any dtype) and targets ``[n]``.
+
+    Computed ``rows_per_pass`` rows at a time, so the float32 copy stays small for long chunks and
+    large vocabularies.
+    """
+    out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+    for a in range(0, len(targets), rows_per_pass):
+        part = torch.log_softmax(logits[a : a + rows_per_pass].float(), dim=-1)
+        out[a : a + rows_per_pass] = part.gather(-1, targets[a : a + rows_per_pass, None]).squeeze(-1)
+    return out
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,20 @@ def test_fast_runner_scores_like_the_generic_one(tiny_model_path):
         assert len(r_gen.input_logprobs) == len(r_fast.input_logprobs) == r_gen.prompt_len
         for x, y in zip(r_gen.input_logprobs, r_fast.input_logprobs):
             assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-4), (x, y)
+
+
+@pytest.mark.parametrize("rows_per_pass", [1, 7, 256])
+def test_target_logprobs_in_passes_equal_float64(rows_per_pass):
+    from compaction_gym.engine.model_runner import target_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 33, generator=g, dtype=torch.float64) * 4
+    targets = torch.randint(0, 33, (40,), generator=g)
+    ref = torch.log_softmax(logits, -1)[torch.arange(40), targets]
+    got = target_logprobs(logits.to(torch.bfloat16), targets, rows_per_pass)
+    assert got.dtype == torch.float32 and got.shape == (40,)
+    assert (
+        got.double() - torch.log_softmax(logits.to(torch.bfloat16).double(), -1)[torch.arange(40), targets]
+    ).abs().max() < 1e-5
+    assert (target_logprobs(logits, targets, rows_per_pass).double() - ref).abs().max() < 1e-5
+    assert target_logprobs(logits[:0], targets[:0]).shape == (0,)
