@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "backends": 5,
     "agents": 6,
     "servers": 6,
+    "lmeval": 6,
     "wrappers": 7,
     "trainers": 8,
     "evaluation": 8,

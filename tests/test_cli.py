@@ -31,7 +31,7 @@ def test_console_script_runs():
     assert "compaction-gym" in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["version"], ["eval", "--help"], ["serve", "--help"], ["demos", "--help"], ["leaderboard", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["version"], ["eval", "--help"], ["serve", "--help"], ["demos", "--help"], ["leaderboard", "--help"], ["eval-lm", "--help"]])
 def test_parsers_build_without_heavy_imports(argv):
     """`compaction-gym --help`, `version` and most commands' help import neither torch,
     transformers nor trl (a subprocess, so this test's own imports do not count)."""

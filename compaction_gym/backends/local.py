@@ -63,8 +63,9 @@ class LocalBackend:
         sampling: SamplingParams | None = None,
         *,
         session_id: str | None = None,
+        score_input: bool = False,
     ) -> StepResult:
-        return self.engine.create_session(prompt_ids, config, sampling, session_id=session_id)
+        return self.engine.create_session(prompt_ids, config, sampling, session_id=session_id, score_input=score_input)
 
     def step(
         self,
@@ -73,8 +74,11 @@ class LocalBackend:
         sampling: SamplingParams | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> StepResult:
-        return self.engine.step(session_id, new_ids, sampling, response_complete=response_complete)
+        return self.engine.step(
+            session_id, new_ids, sampling, response_complete=response_complete, score_input=score_input
+        )
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:
         return self.engine.step_batch(requests)

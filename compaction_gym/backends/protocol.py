@@ -27,11 +27,13 @@ class Backend(Protocol):
 
     Methods mirror :class:`compaction_gym.engine.Engine`:
 
-    * ``create_session(prompt_ids, config=None, sampling=None, *, session_id=None)`` prefills the
-      protected prompt and generates unless ``sampling.max_new_tokens == 0``.
-    * ``step(session_id, new_ids, sampling=None, *, response_complete=False)`` feeds ``new_ids``
-      then generates; ``response_complete`` says the input ends with a whole assistant reply (turn
-      triggers fire after it).
+    * ``create_session(prompt_ids, config=None, sampling=None, *, session_id=None, score_input=False)``
+      prefills the protected prompt and generates unless ``sampling.max_new_tokens == 0``.
+    * ``step(session_id, new_ids, sampling=None, *, response_complete=False, score_input=False)``
+      feeds ``new_ids`` then generates; ``response_complete`` says the input ends with a whole
+      assistant reply (turn triggers fire after it).
+    * ``score_input=True`` fills ``StepResult.input_logprobs``: the log-probability of every fed
+      input token under the session's (compacted) cache (docs/engine.md, "Scoring fed tokens").
     * ``step_batch(requests)`` steps many sessions at once, each with its own parameters
       (``StepRequest`` items, and ``CreateRequest`` items that open sessions in the same batch).
     * ``close(session_id)`` frees the session.
@@ -57,6 +59,7 @@ class Backend(Protocol):
         sampling: SamplingParams | None = None,
         *,
         session_id: str | None = None,
+        score_input: bool = False,
     ) -> StepResult: ...
 
     def step(
@@ -66,6 +69,7 @@ class Backend(Protocol):
         sampling: SamplingParams | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> StepResult: ...
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]: ...

@@ -27,6 +27,8 @@ class ScriptedBackend:
         stop: end every response with ``stop_token`` (finish ``stop``); otherwise finish ``length``.
         stop_token: the token that ends a response (default: the tokenizer's EOS).
         logprob: the log-prob reported for every generated token.
+        input_logprob: the log-prob reported for every scored input token (``score_input``;
+            ``None`` at a session's first token, as the engine).
         max_slots: sessions that may be open at once (``CapacityError`` beyond).
         capacity: tokens a session may hold; a step that would exceed it raises ``CapacityError``.
 
@@ -44,6 +46,7 @@ class ScriptedBackend:
         stop: bool = True,
         stop_token: int | None = None,
         logprob: float = -0.5,
+        input_logprob: float = -1.0,
         max_slots: int = 64,
         capacity: int | None = None,
         name: str = "scripted",
@@ -52,6 +55,7 @@ class ScriptedBackend:
         self.script: Script = script if callable(script) else _cycle(list(script))
         self.stop = stop
         self.logprob = logprob
+        self.input_logprob = input_logprob
         self.max_slots = max_slots
         self.capacity = capacity
         self.name = name
@@ -74,6 +78,7 @@ class ScriptedBackend:
         sampling: SamplingParams | None = None,
         *,
         session_id: str | None = None,
+        score_input: bool = False,
     ) -> StepResult:
         if not prompt_ids:
             raise InvalidArgumentError("prompt_ids is empty")
@@ -83,7 +88,7 @@ class ScriptedBackend:
         self.sessions[sid] = {"token_ids": [], "completion_mask": [], "logprobs": [], "sampling": sampling}
         self._generations[sid] = 0
         self.calls.append(("create", sid, len(prompt_ids), sampling))
-        return self._run(sid, list(prompt_ids), sampling or SamplingParams())
+        return self._run(sid, list(prompt_ids), sampling or SamplingParams(), score_input)
 
     def step(
         self,
@@ -92,9 +97,10 @@ class ScriptedBackend:
         sampling: SamplingParams | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> StepResult:
         self.batch_sizes.append(1)
-        return self._step(StepRequest(session_id, list(new_ids), sampling, response_complete))
+        return self._step(StepRequest(session_id, list(new_ids), sampling, response_complete, score_input))
 
     def step_batch(self, requests: list[StepRequest]) -> list[StepResult]:
         self.batch_sizes.append(len(requests))
@@ -120,11 +126,14 @@ class ScriptedBackend:
         self._check(req)
         self.calls.append(("step", req.session_id, len(req.new_ids), req.sampling))
         return self._run(
-            req.session_id, req.new_ids, req.sampling or self.sessions[req.session_id]["sampling"]
+            req.session_id, req.new_ids, req.sampling or self.sessions[req.session_id]["sampling"], req.score_input
         )
 
-    def _run(self, sid: str, new_ids: list[int], sampling: SamplingParams) -> StepResult:
+    def _run(self, sid: str, new_ids: list[int], sampling: SamplingParams, score_input: bool = False) -> StepResult:
         s = self.sessions[sid]
+        scores: list[float | None] | None = None
+        if score_input:
+            scores = [None if not s["token_ids"] and i == 0 else self.input_logprob for i in range(len(new_ids))]
         s["token_ids"] += new_ids
         s["completion_mask"] += [0] * len(new_ids)
         s["logprobs"] += [0.0] * len(new_ids)
@@ -153,6 +162,7 @@ class ScriptedBackend:
             kv_len=len(s["token_ids"]),
             total_tokens=len(s["token_ids"]),
             prompt_len=len(new_ids),
+            input_logprobs=scores,
         )
 
 

@@ -162,14 +162,16 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         session_id: str | None = None,
+        score_input: bool = False,
     ) -> StepResult:
         """Open a session: prefill the (protected) prompt, then generate unless ``max_new_tokens == 0``.
 
         ``sampling`` becomes the session's default; its ``seed`` seeds the session's RNG stream
-        (and random probes). Raises ``InvalidArgumentError`` (empty prompt, ids outside the
+        (and random probes). ``score_input=True``: the result's ``input_logprobs`` score the
+        prompt (docs/engine.md, "Scoring fed tokens"). Raises ``InvalidArgumentError`` (empty prompt, ids outside the
         vocabulary, prompt longer than ``capacity``, id in use) or ``CapacityError`` (no free slot).
         """
-        return self.step_batch([CreateRequest(prompt_ids, config, sampling, session_id)])[0]
+        return self.step_batch([CreateRequest(prompt_ids, config, sampling, session_id, score_input)])[0]
 
     def step(
         self,
@@ -178,15 +180,18 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> StepResult:
         """Feed ``new_ids`` to a session and generate a response (``sampling=None``: the session default).
 
         A ``sampling`` with a ``seed`` starts a fresh RNG stream for this request; otherwise the
         session's stream continues. ``response_complete=True`` (needs ``max_new_tokens=0``): the
         input ends with a complete assistant response (a teacher-forced action), so turn-based
-        compaction runs after it as after a sampled response.
+        compaction runs after it as after a sampled response. ``score_input=True``: the result's
+        ``input_logprobs`` hold the log-probability of every token of ``new_ids`` under the
+        session's (compacted) cache as it stood when it was fed (docs/engine.md, "Scoring fed tokens").
         """
-        return self.step_batch([StepRequest(session_id, new_ids, sampling, response_complete)])[0]
+        return self.step_batch([StepRequest(session_id, new_ids, sampling, response_complete, score_input)])[0]
 
     def step_batch(self, requests: Sequence[StepRequest | CreateRequest]) -> list[StepResult]:
         """Open and step many sessions: one batched prefill and one batched decode loop.
@@ -226,7 +231,7 @@ class Engine:
             for i, prompt, config, sampling, session_id in opens:
                 s = self.scheduler.open(session_id, len(prompt), config, sampling)
                 created.append(s)
-                works[i] = Work(s, prompt, sampling, s.stream)
+                works[i] = Work(s, prompt, sampling, s.stream, score_input=bool(requests[i].score_input))
             return self.scheduler.run(works)
         except BaseException:
             for s in created:
@@ -287,7 +292,9 @@ class Engine:
                 f"it needs max_new_tokens=0, got {params.max_new_tokens}"
             )
         self.scheduler.check(s, new_ids)
-        return Work(s, new_ids, params, stream, response_complete=bool(req.response_complete))
+        return Work(
+            s, new_ids, params, stream, response_complete=bool(req.response_complete), score_input=bool(req.score_input)
+        )
 
     def fork(self, session_id: str) -> str:
         """Copy a session (cache, history, RNG stream position) into a new slot; returns the new id."""

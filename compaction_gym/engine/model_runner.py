@@ -11,6 +11,10 @@ A runner's contract (this generic runner and the fast one,
 * :meth:`ModelRunner.decode_chunk` runs up to ``steps`` decode steps of many rows (feed a token,
   sample the next, feed it back), each row stopping at its own limit or stop token; the fast
   runner does it on the device with one host synchronisation per chunk, this one step by step.
+* Input scoring (docs/engine.md, "Scoring fed tokens"): a :class:`RowFeed` with ``score=True``
+  also gets ``scores``, the float32 log-softmax log-probabilities of its in-chunk targets
+  (``token_ids[1:]`` under the logits of ``token_ids[:-1]``); other rows keep the
+  last-token-only forward.
 """
 
 from __future__ import annotations
@@ -37,12 +41,19 @@ class QueryRecorder(Protocol):
 
 @dataclass
 class RowFeed:
-    """Tokens fed to one slot in one forward pass; ``start`` is the first token's logical position."""
+    """Tokens fed to one slot in one forward pass; ``start`` is the first token's logical position.
+
+    With ``score=True`` the runner sets ``scores`` to float32 ``[len(token_ids) - 1]``:
+    ``scores[j] = log_softmax(logits at token_ids[j])[token_ids[j + 1]]`` (the plain model
+    distribution, no temperature).
+    """
 
     slot: int
     token_ids: list[int]
     start: int
     recorder: QueryRecorder | None = None
+    score: bool = False
+    scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +79,19 @@ class DecodeRow:
 def cut_at_stop(tokens: list[int], limit: int, stop_ids: Collection[int]) -> int:
     """How many of ``tokens`` a row keeps: its first ``limit``, up to and including the first stop id."""
     return next((i + 1 for i, t in enumerate(tokens[:limit]) if t in stop_ids), min(limit, len(tokens)))
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows_per_pass: int = 256) -> torch.Tensor:
+    """float32 ``log_softmax(logits[j])[targets[j]]`` for logits ``[n, V]`` (any dtype) and targets ``[n]``.
+
+    Computed ``rows_per_pass`` rows at a time, so the float32 copy stays small for long chunks and
+    large vocabularies.
+    """
+    out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+    for a in range(0, len(targets), rows_per_pass):
+        part = torch.log_softmax(logits[a : a + rows_per_pass].float(), dim=-1)
+        out[a : a + rows_per_pass] = part.gather(-1, targets[a : a + rows_per_pass, None]).squeeze(-1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -133,7 +157,9 @@ class ModelRunner:
     def forward(self, rows: list[RowFeed]) -> torch.Tensor:
         """Feed each row's tokens into its slot; return float32 logits ``[B, V]`` of each row's last token.
 
-        Advances each slot's length and pushes recorded queries to the rows' recorders.
+        Advances each slot's length and pushes recorded queries to the rows' recorders. Rows
+        with ``score`` get their in-chunk target log-probs in ``scores`` (then every column's
+        logits are computed; otherwise only the last column's).
         """
         assert rows and all(r.token_ids for r in rows)
         cache, dev = self.cache, self.device
@@ -174,18 +200,23 @@ class ModelRunner:
         if recording:
             ctx.record_rows = torch.tensor(recording, device=dev)
             ctx.record_cols = max(min(sizes[b], rows[b].recorder.capacity) for b in recording)
+        scoring = any(r.score for r in rows)
         with forward_context(ctx), self._switch:
             out = self.model(
                 input_ids=ids.to(dev),
                 position_ids=pos.to(dev),
                 past_key_values=self._hf_cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if scoring else 1,
             )
         for r, n in zip(rows, sizes):
             cache.advance(r.slot, n)
         if recording:
             self._push_queries(rows, sizes, recording, ctx)
+        if scoring:
+            for b, (r, n) in enumerate(zip(rows, sizes)):
+                if r.score:
+                    r.scores = target_logprobs(out.logits[b, width - n : width - 1], ids[b, width - n + 1 :].to(dev))
         return out.logits[:, -1].float()
 
     @torch.no_grad()

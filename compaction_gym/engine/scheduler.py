@@ -61,6 +61,8 @@ class Work:
     logits: torch.Tensor | None = None
     compaction_s: float = 0.0
     stop_ids: frozenset[int] = frozenset()
+    score_input: bool = False
+    input_logprobs: list[float | None] | None = None
 
 
 class Scheduler:
@@ -252,21 +254,48 @@ class Scheduler:
         w.inject_ranges.append((start, start + len(ids)))
 
     def _feed(self, works: list[Work]) -> None:
-        """Feed every work's pending tokens (chunked); set ``w.logits`` to its last token's logits."""
+        """Feed every work's pending tokens (chunked); set ``w.logits`` to its last token's logits.
+
+        A work with ``score_input`` gets the log-probs of its input tokens (``new_ids``) in
+        ``w.input_logprobs`` (docs/engine.md, "Scoring fed tokens"): each token under the logits
+        of the position before it, computed when that position was fed — in this chunk, the
+        previous chunk, or an earlier call (the session's ``last_logits``); ``None`` without one.
+        """
         todo = list(works)
         while todo:
             feeds = []
             for w in todo:
                 s = w.session
                 chunk = s.pending[: self.prefill_chunk]
-                feeds.append(RowFeed(s.slot, chunk, s.fed, s.probes))
+                feeds.append(RowFeed(s.slot, chunk, s.fed, s.probes, score=self._scores_input(w, s.fed, len(chunk))))
             logits = self.runner.forward(feeds)
             for i, (w, f) in enumerate(zip(todo, feeds)):
+                if f.score:
+                    self._take_scores(w, f)
                 w.session.row_map.append(f.start, len(f.token_ids))
                 w.session.fed += len(f.token_ids)
                 w.session.last_logits = None
                 w.logits = logits[i]
             todo = [w for w in todo if w.session.pending]
+
+    @staticmethod
+    def _scores_input(w: Work, start: int, n: int) -> bool:
+        """Whether positions ``[start, start + n)`` hold input tokens of a scoring work."""
+        first = w.out_start - len(w.new_ids)
+        return w.score_input and start < w.out_start and start + n > first
+
+    @staticmethod
+    def _take_scores(w: Work, f: RowFeed) -> None:
+        """Store the input positions' log-probs from a scored chunk (and the logits before it)."""
+        first = w.out_start - len(w.new_ids)
+        if w.input_logprobs is None:
+            w.input_logprobs = [None] * len(w.new_ids)
+        prev = w.logits if w.logits is not None else w.session.last_logits
+        if prev is not None and first <= f.start < w.out_start:
+            w.input_logprobs[f.start - first] = torch.log_softmax(prev.float(), -1)[f.token_ids[0]].item()
+        for j, lp in enumerate(f.scores.tolist(), start=f.start + 1):
+            if first <= j < w.out_start:
+                w.input_logprobs[j - first] = lp
 
     def _decode(self, works: list[Work]) -> None:
         active = []
@@ -413,4 +442,5 @@ class Scheduler:
             prompt_len=len(w.new_ids),
             inject_ranges=list(w.inject_ranges),
             timings={**timings, "compaction": w.compaction_s},
+            input_logprobs=(w.input_logprobs or [None] * len(w.new_ids)) if w.score_input else None,
         )

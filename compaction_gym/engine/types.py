@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
+
+if TYPE_CHECKING:  # torch-free at import: request types are built by command-line parsers
+    from compaction_gym.compaction.events import CompactionEvent
 
 FinishReason = Literal["stop", "length", "budget"]
 
@@ -18,12 +20,16 @@ class StepRequest:
     ``response_complete=True`` says that ``new_ids`` ends with a complete assistant response (a
     teacher-forced action fed with ``max_new_tokens=0``): the after-response hook (turn-based
     compaction and its budget message) then runs as after a sampled response.
+
+    ``score_input=True`` returns the log-probability of every token of ``new_ids`` in
+    :attr:`StepResult.input_logprobs` (docs/engine.md, "Scoring fed tokens").
     """
 
     session_id: str
     new_ids: list[int]
     sampling: SamplingParams | None = None
     response_complete: bool = False
+    score_input: bool = False
 
 
 @dataclass
@@ -34,6 +40,7 @@ class CreateRequest:
     config: CompactionConfig | None = None
     sampling: SamplingParams | None = None
     session_id: str | None = None
+    score_input: bool = False
 
 
 @dataclass
@@ -57,6 +64,10 @@ class StepResult:
         prompt_len: length of the input fed by this call (the prompt for create).
         inject_ranges: ``(start, end)`` ranges into ``token_ids`` of injected tokens.
         timings: seconds by phase (``prefill``, ``decode``, ``compaction``, ``total``).
+        input_logprobs: with ``score_input``, per token of the input (``prompt_len`` of them): its
+            log-probability under the plain model distribution (log-softmax, no temperature) given
+            the session's cache as it stood when it was fed (compacted as decoding sees it);
+            ``None`` where no logits precede it (a session's first token). ``None`` otherwise.
     """
 
     session_id: str
@@ -71,6 +82,7 @@ class StepResult:
     prompt_len: int = 0
     inject_ranges: list[tuple[int, int]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    input_logprobs: list[float | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +98,7 @@ class StepResult:
             "prompt_len": self.prompt_len,
             "inject_ranges": [list(r) for r in self.inject_ranges],
             "timings": dict(self.timings),
+            "input_logprobs": None if self.input_logprobs is None else list(self.input_logprobs),
         }
 
     @classmethod
@@ -97,10 +110,24 @@ class StepResult:
             completion_mask=[int(m) for m in d["completion_mask"]],
             text=d.get("text", ""),
             finish_reason=d["finish_reason"],
-            events=[CompactionEvent.from_dict(e) for e in d.get("events", [])],
+            events=[_event_from_dict(e) for e in d.get("events", [])],
             kv_len=int(d.get("kv_len", 0)),
             total_tokens=int(d.get("total_tokens", 0)),
             prompt_len=int(d.get("prompt_len", 0)),
             inject_ranges=[(int(a), int(b)) for a, b in d.get("inject_ranges", [])],
             timings={k: float(v) for k, v in d.get("timings", {}).items()},
+            input_logprobs=_optional_floats(d.get("input_logprobs")),
         )
+
+
+def _optional_floats(xs: list | None) -> list[float | None] | None:
+    """A JSON list of floats and nulls (NaN read as null), or None."""
+    if xs is None:
+        return None
+    return [None if x is None or x != x else float(x) for x in xs]
+
+
+def _event_from_dict(d: dict[str, Any]) -> CompactionEvent:
+    from compaction_gym.compaction.events import CompactionEvent
+
+    return CompactionEvent.from_dict(d)

@@ -92,7 +92,9 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()
-        work = state.worker.create(body.prompt_ids, config, sampling, session_id=body.session_id)
+        work = state.worker.create(
+            body.prompt_ids, config, sampling, session_id=body.session_id, score_input=body.score_input
+        )
         result, text, info = await unless_disconnected(request, work)
         return to_response(result, text, info)
 
@@ -105,6 +107,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             body.new_token_ids,
             body.sampling_overrides(),
             response_complete=body.response_complete,
+            score_input=body.score_input,
         )
         result, text, info = await unless_disconnected(request, work)
         return to_response(result, text, info)
@@ -118,11 +121,12 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 state.check_ids(f"requests.{i}.prompt_ids", item.prompt_ids)
                 state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=MAX_STOP_IDS)
                 args = (item.prompt_ids, item.compaction_config(), item.sampling())
-                calls.append((state.worker.create, args, {"session_id": item.session_id}))
+                calls.append((state.worker.create, args, {"session_id": item.session_id, "score_input": item.score_input}))
             else:
                 _check_step(state, item, f"requests.{i}.")
                 args = (item.session_id, item.new_token_ids, item.sampling_overrides())
-                calls.append((state.worker.step, args, {"response_complete": item.response_complete}))
+                kwargs = {"response_complete": item.response_complete, "score_input": item.score_input}
+                calls.append((state.worker.step, args, kwargs))
         works = [fn(*args, **kwargs) for fn, args, kwargs in calls]
         outcomes = await unless_disconnected(request, asyncio.gather(*works, return_exceptions=True))
         results: list[dict[str, Any]] = []

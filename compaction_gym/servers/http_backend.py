@@ -152,12 +152,15 @@ class HTTPBackend:
         sampling: SamplingParams | None = None,
         *,
         session_id: str | None = None,
+        score_input: bool = False,
     ) -> StepResult:
         """Prefill ``prompt_ids`` into a new session and generate (``POST /compact_session/create``)."""
         body: dict[str, Any] = {"prompt_ids": [int(t) for t in prompt_ids]}
         body |= config_fields(config) | sampling_fields(sampling)
         if session_id is not None:
             body["session_id"] = session_id
+        if score_input:
+            body["score_input"] = True
         return from_response(self._request("POST", "/compact_session/create", json=body, retry_429=True))
 
     def step(
@@ -167,6 +170,7 @@ class HTTPBackend:
         sampling: SamplingParams | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> StepResult:
         """Feed ``new_ids`` into the session, then generate (``POST /compact_session/step``)."""
         body = {"session_id": session_id, "new_token_ids": [int(t) for t in new_ids]} | sampling_fields(
@@ -174,6 +178,8 @@ class HTTPBackend:
         )
         if response_complete:
             body["response_complete"] = True
+        if score_input:
+            body["score_input"] = True
         return from_response(self._request("POST", "/compact_session/step", json=body))
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:
@@ -298,9 +304,11 @@ def _batch_item(req: StepRequest | CreateRequest) -> dict[str, Any]:
         item |= config_fields(req.config) | sampling_fields(req.sampling)
         if req.session_id is not None:
             item["session_id"] = req.session_id
-        return item
-    item = {"session_id": req.session_id, "new_token_ids": [int(t) for t in req.new_ids]}
-    item |= sampling_fields(req.sampling)
-    if req.response_complete:
-        item["response_complete"] = True
+    else:
+        item = {"session_id": req.session_id, "new_token_ids": [int(t) for t in req.new_ids]}
+        item |= sampling_fields(req.sampling)
+        if req.response_complete:
+            item["response_complete"] = True
+    if req.score_input:
+        item["score_input"] = True
     return item

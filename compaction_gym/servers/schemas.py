@@ -187,6 +187,11 @@ class SessionCreateRequest(CompactionFields, SamplingFields):
 
     prompt_ids: list[TokenId] = Field(min_length=1)
     session_id: SessionId | None = Field(None, description="client-chosen id (default: the server picks one)")
+    score_input: bool = Field(
+        False,
+        description="also return input_logprobs: the log-probability of every input token under the "
+        "session's (compacted) cache as it stood when it was fed (null at the session's first token)",
+    )
 
 
 class SessionStepRequest(SamplingFields):
@@ -201,6 +206,11 @@ class SessionStepRequest(SamplingFields):
         False,
         description="new_token_ids ends with a complete assistant response (teacher forcing; needs "
         "max_new_tokens=0): turn-based compaction runs after it as after a sampled response",
+    )
+    score_input: bool = Field(
+        False,
+        description="also return input_logprobs: the log-probability of every input token under the "
+        "session's (compacted) cache as it stood when it was fed (null at the session's first token)",
     )
 
 
@@ -254,6 +264,9 @@ class GenerateResponse(BaseModel):
     text: str = Field(description="decoded all_token_ids with special tokens kept")
     finish_reason: str
     current_seq_len: int = Field(description="KV rows after the call (the original research API's name for kv_len)")
+    input_logprobs: list[float | None] | None = Field(
+        None, description="with score_input: one log-prob per input token (null where none exists); else null"
+    )
     diagnostics: Diagnostics
 
 
@@ -304,6 +317,7 @@ def to_response(
         "text": result.text,
         "finish_reason": result.finish_reason,
         "current_seq_len": result.kv_len,
+        "input_logprobs": None if result.input_logprobs is None else list(result.input_logprobs),
         "diagnostics": {
             "prompt_len": result.prompt_len,
             "total_tokens": result.total_tokens,
@@ -335,5 +349,6 @@ def from_response(data: dict[str, Any]) -> StepResult:
             "prompt_len": diag.get("prompt_len", 0),
             "inject_ranges": diag.get("inject_ranges", []),
             "timings": diag.get("timings", {}),
+            "input_logprobs": data.get("input_logprobs"),
         }
     )

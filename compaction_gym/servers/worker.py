@@ -127,15 +127,18 @@ class EngineWorker:
         *,
         session_id: str | None = None,
         ephemeral: bool = False,
+        score_input: bool = False,
     ) -> tuple[StepResult, str, dict[str, float]]:
         """Create a session (batched with concurrent requests).
+
+        ``score_input``: also return the prompt's log-probs (``StepResult.input_logprobs``).
 
         Returns:
             ``(result, final_text, server_info)``. With ``ephemeral`` the session is closed right
             after its batch (``/compact_generate``, chat completions).
         """
         payload = {"prompt_ids": prompt_ids, "config": config, "sampling": sampling}
-        payload.update(session_id=session_id, ephemeral=ephemeral)
+        payload.update(session_id=session_id, ephemeral=ephemeral, score_input=score_input)
         return await self._submit(_Job("create", payload))
 
     async def step(
@@ -145,14 +148,16 @@ class EngineWorker:
         overrides: dict[str, Any] | None = None,
         *,
         response_complete: bool = False,
+        score_input: bool = False,
     ) -> tuple[StepResult, str, dict[str, float]]:
         """Step a session; ``overrides`` replace fields of the session's sampling for this step.
 
-        ``response_complete``: ``new_ids`` ends with a complete (teacher-forced) response; see
+        ``response_complete``: ``new_ids`` ends with a complete (teacher-forced) response;
+        ``score_input``: also return the input's log-probs; see
         :class:`~compaction_gym.engine.types.StepRequest`.
         """
         payload = {"session_id": session_id, "new_ids": new_ids, "overrides": overrides}
-        payload["response_complete"] = response_complete
+        payload.update(response_complete=response_complete, score_input=score_input)
         return await self._submit(_Job("step", payload))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -324,7 +329,9 @@ class EngineWorker:
 
     def _prepare_create(self, job: _Job) -> CreateRequest:
         p = job.payload
-        return CreateRequest(list(p["prompt_ids"]), p["config"], p["sampling"], p["session_id"])
+        return CreateRequest(
+            list(p["prompt_ids"]), p["config"], p["sampling"], p["session_id"], bool(p.get("score_input", False))
+        )
 
     def _prepare_step(self, job: _Job) -> StepRequest:
         p = job.payload
@@ -335,7 +342,9 @@ class EngineWorker:
             sampling = SamplingParams(**overrides)
         elif overrides:  # partial overrides start from the session's defaults
             sampling = self.engine.session(sid).sampling.replace(**overrides)
-        return StepRequest(sid, list(p["new_ids"]), sampling, bool(p.get("response_complete", False)))
+        return StepRequest(
+            sid, list(p["new_ids"]), sampling, bool(p.get("response_complete", False)), bool(p.get("score_input", False))
+        )
 
     def _execute(self, ready: list[tuple[_Job, StepRequest | CreateRequest]]) -> None:
         """One ``step_batch`` for all ``ready`` creates and steps; a rejected request fails alone.

@@ -285,3 +285,16 @@ def test_run_episodes_aborts_only_what_does_not_fit(tiny_tokenizer):
     assert "CapacityError" in trajs[1].info["aborted"] and len(trajs[1].turns) < 3
     assert len(trajs[1].rewards) == len(trajs[1].turns)
     assert backend.sessions == {}
+
+
+def test_scripted_backend_scores_inputs_like_the_engine(tiny_tokenizer):
+    """``score_input``: one value per input token, ``None`` at the session's first token only."""
+    from compaction_gym.engine.types import StepRequest
+
+    backend = ScriptedBackend(tiny_tokenizer, ["go"], input_logprob=-2.0)
+    r = backend.create_session([5, 6, 7], sampling=SamplingParams(max_new_tokens=0), score_input=True)
+    assert r.input_logprobs == [None, -2.0, -2.0]
+    assert backend.step(r.session_id, [8, 9], score_input=True).input_logprobs == [-2.0, -2.0]
+    [b] = backend.step_batch([StepRequest(r.session_id, [1], score_input=True)])
+    assert b.input_logprobs == [-2.0]
+    assert backend.step(r.session_id, [2]).input_logprobs is None

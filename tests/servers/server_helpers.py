@@ -62,6 +62,11 @@ def assert_same_result(
     assert len(got.logprobs) == len(want.logprobs)
     for a, b in zip(got.logprobs, want.logprobs):
         assert abs(a - b) <= atol, (got.logprobs, want.logprobs)
+    assert (got.input_logprobs is None) == (want.input_logprobs is None)
+    if want.input_logprobs is not None:
+        assert len(got.input_logprobs) == len(want.input_logprobs)
+        for a, b in zip(got.input_logprobs, want.input_logprobs):
+            assert (a is None) == (b is None) and (a is None or abs(a - b) <= atol), (a, b)
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:

@@ -183,6 +183,29 @@ def test_step_batch_endpoint_equal_sequential(backend, local):
         local.close(sid)
 
 
+def test_score_input_through_http_equals_local(backend, local):
+    """``score_input`` on create, step and step_batch items: the same input log-probs as in process."""
+    forced = SamplingParams(max_new_tokens=0)
+    results = []
+    for b in (backend, local):
+        out = [b.create_session(list(range(5, 30)), KV_BUDGET, forced, session_id="score-a", score_input=True)]
+        out.append(b.step("score-a", list(range(40, 70)), SamplingParams(seed=1, max_new_tokens=4), score_input=True))
+        out += b.step_batch(
+            [
+                StepRequest("score-a", list(range(80, 95)), forced, score_input=True),
+                CreateRequest([3, 4, 5], None, forced, session_id="score-b", score_input=True),
+            ]
+        )
+        out.append(b.step("score-a", [9, 10]))
+        b.close("score-a")
+        b.close("score-b")
+        results.append(out)
+    for got, want in zip(*results):
+        assert_same_result(got, want)
+    assert results[0][0].input_logprobs[0] is None and results[0][0].input_logprobs[1] < 0
+    assert len(results[0][2].input_logprobs) == 15 and results[0][4].input_logprobs is None
+
+
 def _conversation(b, k: int) -> list:
     """Create session k and step it 5 times; parameters differ per session and per step."""
     config = [None, KV_BUDGET, TURNS][k % 3]

@@ -30,7 +30,7 @@ from compaction_gym.engine.fast.attention import decode_attention, num_splits_fo
 from compaction_gym.engine.fast.kernels import decode_advance
 from compaction_gym.engine.fast.model import FastDecoder
 from compaction_gym.engine.fast.sampler import DeviceSampling, sample_device
-from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop
+from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop, target_logprobs
 from compaction_gym.engine.sampler import SampleStream
 from compaction_gym.engine.slot_cache import SlotKVCache
 
@@ -126,8 +126,9 @@ class FastModelRunner:
     def forward(self, rows: list[RowFeed]) -> torch.Tensor:
         """Feed each row's tokens into its slot; return float32 logits ``[B, V]`` of each row's last token.
 
-        Advances each slot's length and pushes recorded queries to the rows' recorders (the
-        generic runner's contract).
+        Advances each slot's length and pushes recorded queries to the rows' recorders, and sets
+        ``scores`` of rows with ``score`` (the generic runner's contract; scoring batches run
+        flat, never in a decode graph).
         """
         assert rows and all(r.token_ids for r in rows)
         cache = self.cache
@@ -136,7 +137,7 @@ class FastModelRunner:
         for n0, n in zip(lens, sizes):
             assert n0 + n <= cache.capacity, "runner asked to overflow a slot"
         self._ensure_positions(max(r.start + n for r, n in zip(rows, sizes)))
-        if self.use_graphs and max(sizes) == 1 and len(rows) <= self.max_batch:
+        if self.use_graphs and max(sizes) == 1 and len(rows) <= self.max_batch and not any(r.score for r in rows):
             logits = self._forward_decode(rows, lens)
         else:
             logits = torch.cat([self._forward_flat(g, [lens[i] for i in idx]) for idx, g in self._groups(rows)])
@@ -331,7 +332,20 @@ class FastModelRunner:
             def record(i: int, q: torch.Tensor) -> None:
                 recorded.append(q[rec_idx])
 
-        logits = dec.run(ids, pos, slot_t, row_t, c.k, c.v, attend, last=last_b, record=record)
+        scoring = [b for b, r in enumerate(rows) if r.score]
+        if scoring:  # every token of a scoring row, the last one of the others
+            keep = [
+                i for b, n in enumerate(sizes) for i in (range(tok0[b], tok0[b] + n) if rows[b].score else [tok0[b] + n - 1])
+            ]
+            keep_t = torch.tensor(keep, device=dev)
+            all_logits = dec.run(ids, pos, slot_t, row_t, c.k, c.v, attend, last=keep_t, record=record)
+            ends = torch.tensor([0] + [n if r.score else 1 for r, n in zip(rows, sizes)]).cumsum(0)
+            logits = all_logits[ends[1:].to(dev) - 1]
+            for b in scoring:
+                lo, hi = int(ends[b]), int(ends[b + 1])
+                rows[b].scores = target_logprobs(all_logits[lo : hi - 1], ids[tok0[b] + 1 : tok0[b] + sizes[b]])
+        else:
+            logits = dec.run(ids, pos, slot_t, row_t, c.k, c.v, attend, last=last_b, record=record)
         if recording:
             queries = torch.stack(recorded)  # [L, R, H_q, d]
             off = 0
