@@ -356,6 +356,13 @@ class FastDecoder:
         return [w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self.lm_head]
 
 
+#: Captures fail only on unsafe CUDA calls of the capturing thread: with the default "global"
+#: mode a CUDA call from any other thread of the process (a background worker, a finalizer)
+#: invalidates the capture, which surfaced as "operation failed due to a previous error during
+#: capture" in one long GPU test run (docs/fast-path.md).
+CAPTURE_ERROR_MODE = "thread_local"
+
+
 def _graph_time(fn: Callable[[int], None], launches: int = 16, replays: int = 3) -> float:
     """Smallest seconds per call of ``fn(i)`` over ``replays`` replays of a graph of ``launches`` calls."""
     stream = torch.cuda.Stream()
@@ -365,7 +372,7 @@ def _graph_time(fn: Callable[[int], None], launches: int = 16, replays: int = 3)
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
         for i in range(launches):
             fn(i)
     best = float("inf")

@@ -28,7 +28,7 @@ import torch
 from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast.attention import decode_attention, num_splits_for, prefill_attention
 from compaction_gym.engine.fast.kernels import decode_advance
-from compaction_gym.engine.fast.model import FastDecoder
+from compaction_gym.engine.fast.model import CAPTURE_ERROR_MODE, FastDecoder
 from compaction_gym.engine.fast.sampler import DeviceSampling, sample_device
 from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop, target_logprobs
 from compaction_gym.engine.sampler import SampleStream
@@ -246,7 +246,7 @@ class FastModelRunner:
                     self._decode_body(bucket, kind, record)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 out = self._decode_body(bucket, kind, record)
         finally:
             self.decoder.graph_mode = False
