@@ -113,21 +113,26 @@ class Scheduler:
         """
         assert session_id not in self.sessions, session_id
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
-        s = Session(
-            session_id=session_id,
-            slot=self.cache.allocate(),
-            config=config,
-            sampling=sampling,
-            stream=SampleStream.fresh(seed),
-            seed=seed,
-            prompt_len=prompt_len,
-            protected_rows=prompt_len if config.protect_prompt else 0,
-        )
-        if records_queries(config):
-            lay, k = self.runner.layout, self.cache.k
-            s.probes = ProbeRing(
-                lay.n_layers, lay.n_q_heads, lay.head_dim, config.n_probe_queries, k.dtype, k.device
+        slot = self.cache.allocate()
+        try:  # transactional: a failure below (e.g. the probe ring's allocation) gives the slot back
+            s = Session(
+                session_id=session_id,
+                slot=slot,
+                config=config,
+                sampling=sampling,
+                stream=SampleStream.fresh(seed),
+                seed=seed,
+                prompt_len=prompt_len,
+                protected_rows=prompt_len if config.protect_prompt else 0,
             )
+            if records_queries(config):
+                lay, k = self.runner.layout, self.cache.k
+                s.probes = ProbeRing(
+                    lay.n_layers, lay.n_q_heads, lay.head_dim, config.n_probe_queries, k.dtype, k.device
+                )
+        except BaseException:
+            self.cache.release(slot)
+            raise
         self.sessions[session_id] = s
         return s
 
@@ -139,8 +144,12 @@ class Scheduler:
                 f"all {self.cache.max_slots} slots are in use; close a session before forking"
             )
         slot = self.cache.allocate()
-        self.cache.copy_slot(src.slot, slot)
-        new = src.clone(session_id, slot)
+        try:
+            self.cache.copy_slot(src.slot, slot)
+            new = src.clone(session_id, slot)
+        except BaseException:
+            self.cache.release(slot)
+            raise
         self.sessions[session_id] = new
         return new
 

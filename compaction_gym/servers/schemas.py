@@ -30,7 +30,9 @@ _SP = SamplingParams()
 _UNSET: Any = object()
 
 TokenId = Annotated[int, Field(ge=0)]
-SessionId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+#: a session id: what ``DELETE /compact_session/{session_id}`` can route (no ``/``, which would
+#: split the path, so an id accepted at create time can always be deleted)
+SessionId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")]
 
 #: request fields that map one to one onto SamplingParams / CompactionConfig: the dataclasses' own
 #: field names (the original research API's names ``max_response_tokens``, ``compaction_mode`` and

@@ -146,3 +146,29 @@ def test_bad_input_raises_clear_errors_and_engine_stays_usable(engine):
     r = engine.step(good.session_id, [8, 9])
     fresh = engine.create_session(list(before.token_ids) + [8, 9], sampling=sp)
     assert r.token_ids == fresh.token_ids  # the failed calls left the session untouched
+
+
+def test_opening_a_session_is_transactional(engine, monkeypatch):
+    """A failure after the slot was taken (here: the probe ring's allocation, as with an absurd
+    n_probe_queries before it was bounded) gives the slot back; a fork that fails likewise."""
+    from compaction_gym.engine import scheduler as scheduler_module
+
+    free = engine.num_free_slots
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(scheduler_module, "ProbeRing", no_memory)
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=64)
+    for _ in range(engine.max_slots + 2):  # more attempts than slots: none may leak
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.create_session(make_prompt(8, seed=1), cfg, GREEDY)
+    assert engine.num_free_slots == free
+    monkeypatch.undo()
+    r = engine.create_session(make_prompt(8, seed=1), sampling=GREEDY)
+    monkeypatch.setattr(engine.cache, "copy_slot", no_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.fork(r.session_id)
+    assert engine.num_free_slots == free - 1
+    engine.close(r.session_id)
+    assert engine.num_free_slots == free

@@ -277,6 +277,8 @@ def test_32_concurrent_sessions_equal_sequential_and_batch(backend, local, url):
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1]}, 404, "nope"),
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1], "top_p": 2}, 422, "top_p"),
         ("/compact_session/step_batch", {"requests": []}, 422, "requests"),
+        # an id DELETE /compact_session/{id} could not route would hold its slot for good
+        ("/compact_session/create", {"prompt_ids": [1], "session_id": "a/b"}, 422, "session_id"),
     ],
 )
 def test_bad_inputs_get_4xx_and_the_server_keeps_serving(url, path, body, status, field):
