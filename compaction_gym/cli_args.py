@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -242,3 +243,38 @@ def run_script(
         return 2
     status = main(script)
     return status if isinstance(status, int) else 0
+
+
+def check_output_dir(path: str | Path | None, flag: str) -> None:
+    """Fail fast (before any model loads) when ``path`` cannot be an output directory.
+
+    Creates it if missing. Raises:
+        InvalidArgumentError: ``path`` is a file, lies under a file, or is not writable.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: is a file, not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidArgumentError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{flag} {path}: not writable")
+
+
+def check_output_file(path: str | Path | None, flag: str) -> None:
+    """Fail fast when ``path`` cannot be written as a file (its folder is created if missing).
+
+    Raises:
+        InvalidArgumentError: ``path`` is a directory, or its folder cannot be created or written.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: is a directory, not a file")
+    check_output_dir(p.parent, f"{flag} (its folder)")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InvalidArgumentError(f"{flag} {path}: not writable")

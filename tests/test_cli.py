@@ -87,3 +87,26 @@ def test_interrupt_and_library_errors_end_in_one_line(monkeypatch, capsys):
         assert cli.main(["boom"]) == code
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and text in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "--model", "tiny-random", "--output", "{file}"],
+        ["eval-lm", "--model", "tiny-random", "--output", "{dir}"],
+        ["leaderboard", "run", "babyai-balrog", "--output", "{file}"],
+        ["demos", "--model", "tiny-random", "--output-dir", "{file}/sub"],
+    ],
+)
+def test_bad_output_paths_fail_fast_with_one_line(tmp_path, capsys, monkeypatch, argv):
+    """A file where a directory goes (or the reverse) is refused before any model loads: exit 2
+    and one line naming the flag (loading would take 30 s before a traceback)."""
+    from compaction_gym import cli
+
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    argv = [a.format(file=file, dir=tmp_path) for a in argv]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--output" in lines[0], lines

@@ -9,6 +9,7 @@ import compaction_gym.demos as package
 from compaction_gym.cli_args import (
     add_dataclass_arguments,
     add_script_command,
+    check_output_dir,
     load_script_arguments,
     run_script,
     script_parser,
@@ -41,6 +42,7 @@ def parse_script_arguments(args: argparse.Namespace) -> DemosConfig:
             f"--seed {script.seed} overlaps the evaluation seeds [0, {script.eval_seed_limit}); "
             f"use --seed >= {script.eval_seed_limit}"
         )
+    check_output_dir(script.output_dir, "--output-dir")
     return script
 
 

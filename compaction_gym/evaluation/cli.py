@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from compaction_gym.agents.evaluate import DEFAULT_MODEL, POLICIES, default_max_new_tokens, default_prompt
 from compaction_gym.agents.prompts import PROMPT_FORMATS, get_prompt_format
-from compaction_gym.cli_args import add_dataclass_arguments, given_fields, read_toml_config
+from compaction_gym.cli_args import add_dataclass_arguments, check_output_dir, given_fields, read_toml_config
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import CompactionGymError, InvalidArgumentError
 
@@ -146,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
     console.width = max(console.width, 100)
     try:
         cfg, compaction, sampling = load_configs(args)
+        check_output_dir(cfg.output, "--output")
         if compaction.enabled and not (compaction.kv_budget or compaction.turn_based):
             console.print(
                 f"[yellow]warning: --mode {compaction.mode} without --max-kv-len or --n-protect-turns "
@@ -171,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
             policy=cfg.policy,
         )
     except CompactionGymError as exc:
-        console.print(f"[red]compaction-gym eval: {exc}[/red]")
+        print(f"compaction-gym eval: {exc}", file=sys.stderr)  # one line, unwrapped
         return 2
     render_table(summary, console)
     if cfg.output:

@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any
 
+from compaction_gym.cli_args import check_output_dir
 from compaction_gym.errors import CompactionGymError
 
 
@@ -60,6 +61,7 @@ def main_run(args: argparse.Namespace) -> int:
         k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("capacity", args.capacity)) if v
     }
     try:
+        check_output_dir(args.output, "--output")
         suite = load_suite(args.suite)
         paths = run_suite(
             suite,

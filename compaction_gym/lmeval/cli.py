@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.cli_args import add_dataclass_arguments, given_fields
+from compaction_gym.cli_args import add_dataclass_arguments, check_output_file, given_fields
 from compaction_gym.engine.config import CompactionConfig
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.lmeval.scoring import (
@@ -223,6 +223,7 @@ def print_results(results: Sequence[CellResult], out: dict[str, Any], console: A
 def main(args: argparse.Namespace) -> int:
     """Run ``compaction-gym eval-lm``; returns the exit code (2 on a bad argument)."""
     try:
+        check_output_file(args.output, "--output")
         results, out = run(args)
     except InvalidArgumentError as exc:
         print(f"compaction-gym eval-lm: {exc}", file=sys.stderr)
