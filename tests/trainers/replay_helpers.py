@@ -7,6 +7,33 @@ from tree_helpers import one_thread  # noqa: F401  (re-exported for the replay t
 
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 
+#: The replay contract's tolerance (float32).
+TOL = 1e-4
+#: Every compaction mode the engine has, as the replay tests drive them.
+MODES = {
+    "attention_matching+beta": {"mode": "attention_matching", "compute_beta": True},
+    "attention_matching": {"mode": "attention_matching"},
+    "markovian": {"mode": "markovian"},
+    "h2o": {"mode": "h2o"},
+    "snapkv": {"mode": "snapkv"},
+    "streaming": {"mode": "streaming"},
+    "random": {"mode": "random"},
+    "tova": {"mode": "tova"},
+    "knorm": {"mode": "knorm"},
+}
+#: Both fire several times in a 16-token prompt + 4 × (10 input + 20 sampled) session.
+TRIGGERS = {"kv_budget": {"max_kv_len": 64, "compact_window": 32}, "turn": {"n_protect_turns": 1}}
+
+
+def even_tokens(completions, trajectory, **kwargs) -> list[float]:
+    """A GRPO reward that differs inside a group (a random model's env reward is ~always 0)."""
+    out = []
+    for t in trajectory:
+        sampled = [tok for tok, m in zip(t.token_ids, t.completion_mask) if m]
+        out.append(sum(tok % 2 == 0 for tok in sampled) / max(1, len(sampled)))
+    return out
+
+
 #: Temperature 1, full vocabulary: the sampling log-probs are the plain log-softmax, far from degenerate.
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
 

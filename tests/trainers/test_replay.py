@@ -12,7 +12,7 @@ import dataclasses
 import gymnasium as gym
 import pytest
 import torch
-from replay_helpers import SAMPLING, max_sampled_diff, one_thread, plain_session
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
 from transformers import AutoModelForCausalLM
 
 import compaction_gym  # noqa: F401  (registers the env ids)
@@ -22,19 +22,6 @@ from compaction_gym.compaction import CompactionEvent
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
-
-TOL = 1e-4
-MODES = {
-    "attention_matching+beta": {"mode": "attention_matching", "compute_beta": True},
-    "attention_matching": {"mode": "attention_matching"},
-    "markovian": {"mode": "markovian"},
-    "h2o": {"mode": "h2o"},
-    "snapkv": {"mode": "snapkv"},
-    "streaming": {"mode": "streaming"},
-    "random": {"mode": "random"},
-}
-#: Both fire several times in a 16-token prompt + 4 × (10 input + 20 sampled) session.
-TRIGGERS = {"kv_budget": {"max_kv_len": 64, "compact_window": 32}, "turn": {"n_protect_turns": 1}}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,8 +64,6 @@ def test_replay_equals_rollout(engine, model, mode, trigger):
 def test_replay_takes_each_trajectorys_own_temperature(engine, model, temperature):
     """Without ``temperature=``, every trajectory replays at the temperature it was sampled at (greedy:
     the plain log-softmax the engine records); a batch may mix temperatures."""
-    from replay_helpers import SAMPLING
-
     views = [
         plain_session(engine, config("attention_matching", "kv_budget"), seed=40 + i, sampling=SAMPLING.replace(temperature=t))
         for i, t in enumerate((temperature, 1.3))

@@ -13,23 +13,11 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import example, given, settings
-from replay_helpers import SAMPLING, max_sampled_diff, one_thread, plain_session
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
-
-TOL = 1e-4
-MODES = {
-    "attention_matching+beta": {"mode": "attention_matching", "compute_beta": True},
-    "attention_matching": {"mode": "attention_matching"},
-    "h2o": {"mode": "h2o"},
-    "snapkv": {"mode": "snapkv"},
-    "streaming": {"mode": "streaming"},
-    "random": {"mode": "random"},
-    "markovian": {"mode": "markovian"},
-}
-TRIGGERS = {"kv_budget": {"max_kv_len": 64, "compact_window": 32}, "turn": {"n_protect_turns": 1}}
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from replay_helpers import one_thread
+from replay_helpers import even_tokens, one_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 #: Turn-based β compaction, so every step's episodes replay a compaction event.
@@ -21,13 +21,6 @@ def _one_thread():
         yield
 
 
-def even_tokens(completions, trajectory, **kwargs) -> list[float]:
-    """A reward that differs inside a group, so every step moves the weights."""
-    out = []
-    for t in trajectory:
-        sampled = [tok for tok, m in zip(t.token_ids, t.completion_mask) if m]
-        out.append(sum(tok % 2 == 0 for tok in sampled) / max(1, len(sampled)))
-    return out
 
 
 def _common(output_dir: Path) -> dict:
