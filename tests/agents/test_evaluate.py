@@ -115,10 +115,12 @@ def test_eval_math_is_single_step(tiny_model_path, tmp_path):
 
 
 def test_eval_reports_bad_configs_cleanly(tiny_model_path, capsys):
+    """One line on stderr, exit 2 (docs/eval.md)."""
     assert main(["eval", "--model", str(tiny_model_path), "--max-kv-len", "64", "--no-progress"]) == 2
-    assert "mode='none' contradicts" in capsys.readouterr().out
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mode='none' contradicts" in err[0]
     assert main(["eval", "--model", "./no/such/model", "--no-progress"]) == 2
-    assert "does not exist" in capsys.readouterr().out
+    assert "does not exist" in capsys.readouterr().err
 
 
 def _traj(progression: float) -> Trajectory:
