@@ -62,6 +62,11 @@ def task_env_kwargs(env_id: str, task: str | None) -> dict[str, Any]:
     if task is None:
         return {}
     entry = _entry_point(env_id)
+    pinned = (gym.spec(env_id).kwargs or {}).get("task")
+    if pinned is not None and pinned != task:
+        raise InvalidArgumentError(
+            f"--env {env_id} always runs task {pinned!r}; drop --task {task} or use AttnMatch-BabyAI-v0 --task {task}"
+        )
     if entry == BABYAI_ENTRY:
         return {"task": task}
     if entry.endswith(":MathEnv"):
@@ -143,7 +148,13 @@ def load_backend(
     resolved = resolve_model(model)
     kwargs = dict(engine_kwargs or {})
     kwargs.setdefault("max_slots", batch)
-    return LocalBackend.from_pretrained(resolved, **kwargs), resolved
+    backend = LocalBackend.from_pretrained(resolved, **kwargs)
+    if backend.tokenizer is None:
+        raise InvalidArgumentError(
+            f"{model}: no tokenizer files (tokenizer.json / tokenizer_config.json) beside the weights at "
+            f"{resolved}; save the tokenizer there too (tokenizer.save_pretrained)"
+        )
+    return backend, resolved
 
 
 def play(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import uuid
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -254,6 +255,7 @@ class Engine:
                 f"prompt has {len(prompt)} tokens but a slot holds {self.capacity}; shorten it or raise capacity"
             )
         self._check_config(config)
+        _warn_if_budget_cannot_hold(config, len(prompt))
         session_id = req.session_id
         if session_id is None:
             session_id = uuid.uuid4().hex
@@ -444,3 +446,20 @@ def default_budget_frame(tokenizer) -> tuple[str, str]:
     if tokenizer is not None and tokenizer.chat_template and "<|im_start|>" in tokenizer.get_vocab():
         return DEFAULT_BUDGET_FRAME
     return PLAIN_BUDGET_FRAME
+
+
+def _warn_if_budget_cannot_hold(config: CompactionConfig, prompt_len: int) -> None:
+    """Warn when no KV-budget event can keep the cache under ``max_kv_len``: events compact rows
+    ``[P, P + window)`` after the protected prompt, so ``P + window > max_kv_len`` lets the cache
+    grow past the budget (docs/engine.md, "Triggers")."""
+    if not config.kv_budget or not config.protect_prompt:
+        return
+    window = config.compact_window or 0
+    if prompt_len + window > config.max_kv_len:
+        warnings.warn(
+            f"max_kv_len={config.max_kv_len} cannot be honoured: the protected prompt ({prompt_len} tokens) "
+            f"plus compact_window ({window}) exceed it, so the cache grows past the budget; raise "
+            "max_kv_len, lower compact_window, or set protect_prompt=False",
+            UserWarning,
+            stacklevel=4,
+        )

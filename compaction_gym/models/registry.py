@@ -99,11 +99,23 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **model_kwargs)
     if device is not None:
         model = model.to(device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        tokenizer = None
+    tokenizer = None
+    if has_tokenizer_files(path):  # transformers would build an empty tokenizer from the config alone
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tokenizer = None
     return model.eval(), tokenizer
+
+
+#: Files of which a local model folder holds at least one when it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def has_tokenizer_files(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` has tokenizer files (always ``True`` for a hub id, which is not a local folder)."""
+    folder = Path(path)
+    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _tiny_random() -> str:

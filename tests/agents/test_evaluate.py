@@ -200,3 +200,20 @@ def test_eval_expert_policy_is_a_sanity_row(tiny_model_path, tmp_path):
         main(["eval", "--env", "AttnMatch-Math-v0", "--model", str(tiny_model_path), "--policy", "expert"])
         == 2
     )
+
+
+def test_eval_names_what_is_wrong_with_contradictory_or_incomplete_inputs(tiny_model_path, tmp_path, capsys):
+    """A per-task env id with another --task, and a model folder without tokenizer files, are one
+    clear line each (not a silent run of the wrong task, nor 'no chat template')."""
+    import shutil
+
+    assert main(["eval", "--model", str(tiny_model_path), "--env", "AttnMatch-BabyAI-GoTo-v0", "--task", "open",
+                 "--no-progress"]) == 2  # fmt: skip
+    assert "always runs task 'goto'" in capsys.readouterr().err
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for f in tiny_model_path.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, bare / f.name)
+    assert main(["eval", "--model", str(bare), "--episodes", "1", "--no-progress"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err

@@ -110,3 +110,18 @@ def test_compact_generate_runs_one_prompt_and_closes(kv_engine):
     assert r.finish_reason == "budget" and len(r.token_ids) == 90
     assert len(r.events) == expected_events(16 + 89, WINDOW // 4) and r.kv_len <= MAX_KV
     assert kv_engine.num_free_slots == free and r.session_id not in kv_engine.session_ids
+
+
+def test_a_budget_the_prompt_leaves_no_room_in_warns(engine):
+    """With prompt + compact_window > max_kv_len no KV-budget event can fire, so the cache grows past
+    the budget: the engine says so when the session opens."""
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=64, compact_window=32)
+    with pytest.warns(UserWarning, match="cannot be honoured"):
+        r = engine.create_session(make_prompt(40, seed=3), cfg, SamplingParams(temperature=0, max_new_tokens=1))
+    engine.close(r.session_id)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = engine.create_session(make_prompt(16, seed=3), cfg, SamplingParams(temperature=0, max_new_tokens=1))
+    engine.close(r.session_id)
