@@ -218,10 +218,6 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
         return respond(422, str(exc), "InvalidArgumentError")
 
-    @app.exception_handler(Exception)
-    async def on_internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s", request.url.path, exc_info=exc)
-        return respond(500, f"{type(exc).__name__}: {exc}", type(exc).__name__)
 
 
 class _BodyTooLarge(HTTPException):
@@ -271,6 +267,15 @@ class _ServerMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001  (the last stop before the ASGI server)
+            # Starlette answers a 500 and then re-raises, and the ASGI server drops the client's
+            # keep-alive connection: answer here and keep it (docs/server.md, "Errors").
+            if status_box["started"]:
+                raise
+            logger.exception("internal error on %s", scope.get("path"), exc_info=exc)
+            await JSONResponse(
+                error_body(500, f"{type(exc).__name__}: {exc}", type_=type(exc).__name__), 500
+            )({"type": "http"}, _no_receive, tracking_send)
         finally:
             self._observe(scope, int(status_box["status"]), t0)
 

@@ -77,3 +77,33 @@ def test_idle_sessions_expire_and_free_their_slots(tiny_model_path):
         client.create_session([9], None, QUICK)  # the freed slot is usable
         text = client.metrics()
         assert 'compaction_gym_sessions_closed_total{reason="ttl"} 1' in text
+
+
+def test_an_internal_error_is_a_json_500_that_keeps_the_connection():
+    """An untyped exception inside a route is answered as JSON 500 by our outermost middleware and
+    not re-raised: Starlette's error middleware would answer and re-raise, and the ASGI server then
+    drops the client's keep-alive connection (the next pooled request dies with a reset)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from compaction_gym.servers.app import _ServerMiddleware
+    from compaction_gym.servers.args import ServerArgs
+    from compaction_gym.servers.metrics import Metrics
+
+    async def crashing_route(scope, receive, send):
+        raise RuntimeError("boom")
+
+    app = _ServerMiddleware(crashing_route, SimpleNamespace(args=ServerArgs(), metrics=Metrics()))
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/compact_session/create", "headers": []}
+    asyncio.run(app(scope, receive, send))  # must not raise: the connection stays usable
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 500
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert b"RuntimeError: boom" in body
