@@ -206,7 +206,9 @@ class Engine:
         each create, and whether its input fits its slot after the KV-budget compaction it would
         trigger (planned, not applied). On a typed error no session has changed and no slot was
         taken; the error's ``request_index`` attribute is the position of the offending request,
-        so the others can be retried as a batch.
+        so the others can be retried as a batch. An untyped error raised while validating or
+        opening sessions (before any session advances) carries ``request_index`` and
+        ``batch_unchanged = True`` too; one raised by the batched computation carries neither.
         """
         opens: list[tuple[int, list[int], CompactionConfig, SamplingParams, str]] = []
         works: list[Work | None] = []
@@ -225,12 +227,19 @@ class Engine:
             except CompactionGymError as exc:
                 exc.request_index = i  # type: ignore[attr-defined]
                 raise
+            except Exception as exc:  # untyped, but nothing has changed yet: blame this request alone
+                exc.request_index, exc.batch_unchanged = i, True  # type: ignore[attr-defined]
+                raise
         if not works:
             return []
         created: list[Session] = []
         try:
             for i, prompt, config, sampling, session_id in opens:
-                s = self.scheduler.open(session_id, len(prompt), config, sampling)
+                try:
+                    s = self.scheduler.open(session_id, len(prompt), config, sampling)
+                except Exception as exc:  # the sessions opened before it are dropped below
+                    exc.request_index, exc.batch_unchanged = i, True  # type: ignore[attr-defined]
+                    raise
                 created.append(s)
                 works[i] = Work(s, prompt, sampling, s.stream, score_input=bool(requests[i].score_input))
             return self.scheduler.run(works)

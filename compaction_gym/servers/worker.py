@@ -351,10 +351,11 @@ class EngineWorker:
 
         ``Engine.step_batch`` validates the whole batch before anything changes, and its typed
         error names the offending request (``request_index``): that request fails and the others
-        run again as one batch (without an index they run one by one). Any other exception came
-        from the batched computation itself: no single request can be blamed and sessions may
-        have changed, so every request of the batch fails rather than being replayed (a replay
-        could apply a step twice).
+        run again as one batch (without an index they run one by one). An untyped exception the
+        engine marks ``batch_unchanged`` (raised while validating or opening sessions) is isolated
+        the same way. Any other exception came from the batched computation itself: no single
+        request can be blamed and sessions may have changed, so every request of the batch fails
+        rather than being replayed (a replay could apply a step twice).
         """
         while ready:
             t0 = time.monotonic()
@@ -376,6 +377,14 @@ class EngineWorker:
                     self._execute([item])
                 return
             except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+                index = getattr(exc, "request_index", None)
+                if getattr(exc, "batch_unchanged", False) and isinstance(index, int) and 0 <= index < len(ready):
+                    # raised before any session advanced (validation, opening a session): only the
+                    # culprit fails, the others run again as one batch
+                    logger.warning("request %d of a batch failed before it ran: %r", index, exc)
+                    self._fail(ready[index][0], exc)
+                    ready = ready[:index] + ready[index + 1 :]
+                    continue
                 for job, _ in ready:
                     self._fail(job, exc)
                 return

@@ -172,3 +172,33 @@ def test_opening_a_session_is_transactional(engine, monkeypatch):
     assert engine.num_free_slots == free - 1
     engine.close(r.session_id)
     assert engine.num_free_slots == free
+
+
+def test_an_untyped_failure_opening_one_session_blames_that_request_alone(engine, monkeypatch):
+    """A create whose opening fails (not a typed error) marks itself (``request_index``,
+    ``batch_unchanged``): nothing of the batch ran, the other sessions did not advance."""
+    from compaction_gym.engine import CreateRequest, StepRequest
+    from compaction_gym.engine import scheduler as scheduler_module
+
+    r = engine.create_session(make_prompt(8, seed=2), sampling=GREEDY)
+    before = engine.session(r.session_id).token_ids
+    real_ring = scheduler_module.ProbeRing
+
+    def ring(*args, **kwargs):
+        if args[3] == 13:  # the poisoned request's n_probe_queries
+            raise RuntimeError("allocation failed (simulated)")
+        return real_ring(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "ProbeRing", ring)
+    good = CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=8)
+    bad = CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=13)
+    free = engine.num_free_slots
+    with pytest.raises(RuntimeError) as info:
+        engine.step_batch([
+            CreateRequest(make_prompt(8, seed=3), good, GREEDY),
+            StepRequest(r.session_id, make_prompt(3, seed=4), GREEDY),
+            CreateRequest(make_prompt(8, seed=5), bad, GREEDY),
+        ])  # fmt: skip
+    assert info.value.request_index == 2 and info.value.batch_unchanged
+    assert engine.num_free_slots == free and engine.session(r.session_id).token_ids == before
+    engine.close(r.session_id)

@@ -475,3 +475,36 @@ def test_concurrent_steps_of_one_session_are_serialised(backend, local):
         len(r.token_ids) for r in results
     )
     backend.close("twice")
+
+
+def test_an_untyped_failure_opening_one_session_fails_only_that_request(server, backend, monkeypatch):
+    """A create whose opening raises an untyped error (here: a simulated allocation failure) fails
+    alone with a 500; the innocent create batched with it runs, and every slot is accounted for."""
+    from compaction_gym.engine import scheduler as scheduler_module
+    from compaction_gym.engine.config import CompactionConfig
+    from compaction_gym.engine.types import CreateRequest
+    from compaction_gym.servers.errors import ServerError
+
+    url, app = server
+    engine = app.state.server.engine
+    real_ring = scheduler_module.ProbeRing
+
+    def ring(*args, **kwargs):
+        if args[3] == 13:
+            raise RuntimeError("allocation failed (simulated)")
+        return real_ring(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "ProbeRing", ring)
+    free = engine.num_free_slots
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2)
+    requests = [
+        CreateRequest([1, 2, 3], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=13), sp),
+        CreateRequest([4, 5, 6], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=8), sp),
+    ]
+    with pytest.raises(ServerError, match="allocation failed") as info:
+        backend.step_batch(requests)
+    bad, good = info.value.results
+    assert isinstance(bad, ServerError) and not isinstance(good, Exception)
+    assert engine.num_free_slots == free - 1
+    backend.close(good.session_id)
+    assert engine.num_free_slots == free
