@@ -41,7 +41,14 @@ class EvalConfig:
     episodes: int = field(default=10, metadata={"help": "episodes per task"})
     seed: int = field(default=0, metadata={"help": "episode i uses env seed SEED+i"})
     output: str | None = field(
-        default=None, metadata={"help": "directory for trajectories.jsonl and summary.json"}
+        default=None,
+        metadata={
+            "help": "directory for trajectories.jsonl, run.json and summary.json; an interrupted run "
+            "with the same settings resumes there"
+        },
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "replace the episodes --output holds from a run with other settings"}
     )
     batch: int = field(default=1, metadata={"help": "episodes played concurrently"})
     max_steps: int | None = field(default=None, metadata={"help": "env step limit (BabyAI: BALROG's 64/128)"})
@@ -171,6 +178,7 @@ def main(args: argparse.Namespace) -> int:
             engine_kwargs=cfg.engine_kwargs(),
             progress=cfg.progress,
             policy=cfg.policy,
+            overwrite=cfg.overwrite,
         )
     except CompactionGymError as exc:
         print(f"compaction-gym eval: {exc}", file=sys.stderr)  # one line, unwrapped

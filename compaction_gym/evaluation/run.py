@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.agents.evaluate import play
-from compaction_gym.agents.trajectory import Trajectory, write_jsonl
+from compaction_gym.agents.evaluate import default_tasks, play
+from compaction_gym.agents.trajectory import Trajectory, jsonable, write_jsonl
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.evaluation.summary import make_summary
@@ -32,13 +32,17 @@ def evaluate(
     engine_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
     policy: str = "model",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run ``episodes`` episodes per task and return (and write) the summary.
 
     Episode ``i`` uses env seed ``seed + i`` in every task and method, so runs pair up across
-    methods. ``output``: directory for ``trajectories.jsonl`` (streamed in completion order) and
-    ``summary.json`` (nothing written if ``None``). The other arguments are
-    :func:`~compaction_gym.agents.evaluate.play`'s.
+    methods. ``output``: directory for ``trajectories.jsonl`` (streamed in completion order),
+    ``run.json`` (the run's settings, written first) and ``summary.json`` (written last,
+    atomically); nothing is written if ``None``. Re-running into a folder that holds an interrupted
+    run with the same settings **resumes** it: finished episodes are kept and only the missing ones
+    play. A folder holding a run with other settings is refused unless ``overwrite``. The other
+    arguments are :func:`~compaction_gym.agents.evaluate.play`'s.
 
     Returns:
         The summary dict (see ``docs/eval.md``).
@@ -47,10 +51,27 @@ def evaluate(
         raise InvalidArgumentError(f"episodes must be >= 1, got {episodes}")
     out_dir = Path(output) if output is not None else None
     traj_path = None
+    seeds = [seed + i for i in range(episodes)]
+    task_list = list(tasks) if tasks else default_tasks(env)
+    plan: dict[Any, list[int]] = {t: list(seeds) for t in task_list}
+    kept: list[Trajectory] = []
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         traj_path = out_dir / "trajectories.jsonl"
-        traj_path.write_text("")
+        settings = jsonable({
+            "model": None if model is None else str(model), "env": env, "tasks": task_list,
+            "compaction": None if compaction is None else compaction.to_dict(),
+            "sampling": None if sampling is None else sampling.to_dict(), "prompt": prompt,
+            "episodes": episodes, "seed": seed, "env_kwargs": env_kwargs or {}, "policy": policy,
+        })  # fmt: skip
+        kept = _resumable(out_dir, traj_path, settings, overwrite)
+        done = {(t.info.get("eval_task_requested"), t.seed) for t in kept}
+        plan = {t: [s for s in seeds if (t, s) not in done] for t in task_list}
+        _write_atomically(out_dir / "run.json", json.dumps(settings, indent=2) + "\n")
+        tmp = traj_path.with_name(f".{traj_path.name}.tmp")
+        write_jsonl(tmp, kept)  # the kept episodes only: a line torn by the interruption is dropped
+        tmp.replace(traj_path)
+        (out_dir / "summary.json").unlink(missing_ok=True)  # written again when the run completes
 
     def stream(_task: str, traj: Trajectory) -> None:
         if traj_path is not None:
@@ -63,7 +84,7 @@ def evaluate(
         compaction=compaction,
         sampling=sampling,
         prompt=prompt,
-        seeds=[seed + i for i in range(episodes)],
+        seeds=plan,
         batch=batch,
         env_kwargs=env_kwargs,
         backend=backend,
@@ -72,9 +93,46 @@ def evaluate(
         policy=policy,
         on_episode=stream,
     )
+    for traj in kept:  # the finished episodes of an interrupted run, in seed order with the new ones
+        run.by_task.setdefault(traj.info.get("eval_task") or "all", []).append(traj)
+    for label in run.by_task:
+        run.by_task[label].sort(key=lambda t: (t.seed is None, t.seed))
     summary = make_summary(
         run, seed=seed, episodes=episodes, trajectories="trajectories.jsonl" if out_dir is not None else None
     )
     if out_dir is not None:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        _write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
+
+
+def _resumable(out_dir: Path, traj_path: Path, settings: dict[str, Any], overwrite: bool) -> list[Trajectory]:
+    """The finished episodes an output folder holds for a run with these ``settings`` ([] if none).
+
+    Raises:
+        InvalidArgumentError: the folder holds episodes of a run with other settings (without
+            ``overwrite``), naming the settings that differ.
+    """
+    if overwrite or not traj_path.exists() or not traj_path.read_text().strip():
+        return []
+    run_file = out_dir / "run.json"
+    previous = json.loads(run_file.read_text()) if run_file.is_file() else None
+    if previous != settings:
+        differ = sorted(k for k in settings if previous is None or previous.get(k) != settings[k])
+        raise InvalidArgumentError(
+            f"--output {out_dir} holds episodes of another run (settings that differ: {differ or ['run.json missing']}); "
+            "use another --output, or --overwrite to replace them"
+        )
+    kept: dict[tuple[Any, Any], Trajectory] = {}
+    for line in traj_path.read_text().splitlines():
+        try:
+            traj = Trajectory.from_dict(json.loads(line))
+        except (ValueError, KeyError, TypeError, InvalidArgumentError):
+            continue  # a line torn by the interruption
+        kept[(traj.info.get("eval_task_requested"), traj.seed)] = traj
+    return list(kept.values())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
