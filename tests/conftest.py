@@ -15,6 +15,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny-model ops are dominated by thread start-up on a shared 2-core box: one intra-op thread
+    is as fast and does not oversubscribe. Modules opt in with ``usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Directory holding a tiny random Qwen3 and its tokenizer (``save_pretrained`` format)."""

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "provenance": 1,
     "lazy": 1,
+    "atomic": 1,
     "cli_args": 1,
     "compaction": 2,
     "envs": 2,

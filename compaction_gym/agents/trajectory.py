@@ -288,10 +288,14 @@ def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory], *, append:
     n = 0
     with path.open("a" if append else "w", encoding="utf-8") as f:
         for traj in trajectories:
-            f.write(json.dumps(traj.to_dict(), ensure_ascii=False, allow_nan=True))
-            f.write("\n")
+            f.write(jsonl_line(traj))
             n += 1
     return n
+
+
+def jsonl_line(traj: Trajectory) -> str:
+    """One line of a trajectories file (what :func:`write_jsonl` writes per trajectory)."""
+    return json.dumps(traj.to_dict(), ensure_ascii=False, allow_nan=True) + "\n"
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.compaction.rowmap import RowMap, Segment  # noqa: F401  (Segment re-exported)
+from compaction_gym.compaction.rowmap import RowMap
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.sampler import SampleStream
 

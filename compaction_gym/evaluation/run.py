@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.agents.evaluate import default_tasks, play
-from compaction_gym.agents.trajectory import Trajectory, jsonable, write_jsonl
+from compaction_gym.agents.trajectory import Trajectory, jsonable, jsonl_line, write_jsonl
+from compaction_gym.atomic import write_atomic
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.evaluation.summary import make_summary
@@ -67,10 +68,9 @@ def evaluate(
         kept = _resumable(out_dir, traj_path, settings, overwrite)
         done = {(t.info.get("eval_task_requested"), t.seed) for t in kept}
         plan = {t: [s for s in seeds if (t, s) not in done] for t in task_list}
-        _write_atomically(out_dir / "run.json", json.dumps(settings, indent=2) + "\n")
-        tmp = traj_path.with_name(f".{traj_path.name}.tmp")
-        write_jsonl(tmp, kept)  # the kept episodes only: a line torn by the interruption is dropped
-        tmp.replace(traj_path)
+        write_atomic(out_dir / "run.json", json.dumps(settings, indent=2) + "\n")
+        # the kept episodes only: a line torn by the interruption is dropped
+        write_atomic(traj_path, "".join(jsonl_line(t) for t in kept))
         (out_dir / "summary.json").unlink(missing_ok=True)  # written again when the run completes
 
     def stream(_task: str, traj: Trajectory) -> None:
@@ -101,7 +101,7 @@ def evaluate(
         run, seed=seed, episodes=episodes, trajectories="trajectories.jsonl" if out_dir is not None else None
     )
     if out_dir is not None:
-        _write_atomically(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
 
 
@@ -130,9 +130,3 @@ def _resumable(out_dir: Path, traj_path: Path, settings: dict[str, Any], overwri
             continue  # a line torn by the interruption
         kept[(traj.info.get("eval_task_requested"), traj.seed)] = traj
     return list(kept.values())
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -172,7 +172,7 @@ def html_page(tables: dict[str, list[list[str]]], plots: dict[str, list[Path]]) 
 def show(root: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -> tuple[str, list[Path]]:
     """Render every suite under ``root``: returns the page (markdown or HTML) and the plots written
     to ``out_dir`` (default ``root``); the page is also written there as ``leaderboard.md|html``."""
-    from compaction_gym.leaderboard.store import write_atomic
+    from compaction_gym.atomic import write_atomic
 
     out = Path(out_dir) if out_dir is not None else Path(root)
     out.mkdir(parents=True, exist_ok=True)

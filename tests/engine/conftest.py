@@ -17,9 +17,6 @@ def engine(tiny_model_path):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model ops are dominated by thread start-up on a shared 2-core box: use one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
+    """Every engine test module runs with one torch thread (``one_torch_thread``, tests/conftest.py)."""
     yield
-    torch.set_num_threads(before)

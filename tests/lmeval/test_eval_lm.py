@@ -20,12 +20,7 @@ from compaction_gym.lmeval import bits_per_byte, load_text, make_cells, piece_by
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

