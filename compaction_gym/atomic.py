@@ -8,14 +8,16 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and a rename."""
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write ``text`` (or raw bytes) to ``path`` via a temporary file in the same directory and a
+    rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.fchmod(fd, 0o644)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        mode, encoding = ("wb", None) if isinstance(text, bytes) else ("w", "utf-8")
+        with os.fdopen(fd, mode, encoding=encoding) as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

@@ -1,7 +1,8 @@
 """``leaderboard check``: compliance of every record with the rules of ``docs/leaderboard.md``.
 
 A record passes when: it matches its schema; its content hash holds (not edited after the run);
-its trajectories file is the one it was computed from and every number re-derives from it; its
+its trajectories file (or, where the trajectories are not shipped, its audit trail) is the one it
+was computed from and every number re-derives from it; its
 config hash matches the suite file as it is now; its seeds and episodes are exactly the suite's;
 the measured KV never exceeded the claimed budget (the engine's contract: by at most the input of
 the step that crossed it, ``docs/engine.md``); every compaction event used only tokens already in
@@ -17,13 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.agents.trajectory import Trajectory
 from compaction_gym.errors import CompactionGymError
+from compaction_gym.leaderboard.audit import (
+    AUDIT_FILE,
+    audit_entries,
+    read_audit,
+    row_failures,
+    rows_from_trajectories,
+)
 from compaction_gym.leaderboard.record import (
     RECORD_FILE,
     TRAJECTORIES_FILE,
     content_hash_ok,
-    episode_row,
     finite,
     results,
     schema_errors,
@@ -133,6 +139,43 @@ def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[
     return []
 
 
+def _episodes(
+    path: Path, record: dict[str, Any], fail: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+    """The record's episodes (trajectory dicts or audit lines, which the KV and event checks read
+    alike) and their rows; ``None`` when neither file is there. Failures go to ``fail``."""
+    files = record["files"]
+    traj_path = path.parent / files["trajectories"]["path"]
+    audit = files.get("audit")
+    audit_path = path.parent / audit["path"] if audit else None
+    if audit_path is not None and audit_path.exists() and sha256_file(audit_path) != audit["sha256"]:
+        fail.append(f"{AUDIT_FILE} differs from the one the record was computed from")
+    if traj_path.exists():
+        if sha256_file(traj_path) != files["trajectories"]["sha256"]:
+            fail.append("trajectories.jsonl differs from the one the record was computed from")
+        trajs = [json.loads(line) for line in traj_path.read_text().splitlines() if line.strip()]
+        try:
+            rows = rows_from_trajectories(trajs)
+        except (KeyError, TypeError, ValueError, CompactionGymError) as exc:
+            fail.append(f"trajectories unreadable: {exc}")
+            return trajs, None
+        derived = json.loads(json.dumps(audit_entries(trajs, rows)))
+        if audit_path is not None and audit_path.exists() and read_audit(audit_path) != derived:
+            fail.append(f"{AUDIT_FILE} does not re-derive from trajectories.jsonl")
+        return trajs, rows
+    if audit_path is None or not audit_path.exists():
+        fail.append(f"missing {TRAJECTORIES_FILE}" + (f" and {AUDIT_FILE}" if audit else ""))
+        return None
+    try:
+        entries = read_audit(audit_path)
+    except (OSError, ValueError) as exc:
+        fail.append(f"{AUDIT_FILE} unreadable: {exc}")
+        return None
+    for entry in entries:
+        fail.extend(row_failures(entry)[:5])
+    return entries, [e["row"] for e in entries]
+
+
 def check_record(path: str | Path, suite_file: str | Path | None = None) -> CheckResult:
     """Check the record ``path`` (a ``submission.json`` or its directory) against every rule."""
     path = Path(path)
@@ -150,14 +193,11 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
         return result
     if not content_hash_ok(record):
         fail.append("content hash mismatch: the record was edited after the run")
-    # the files
-    traj_path = path.parent / record["files"]["trajectories"]["path"]
-    if not traj_path.exists():
-        fail.append(f"missing {TRAJECTORIES_FILE}")
+    # the files: the full trajectories when present, else the audit trail (docs/leaderboard.md)
+    loaded = _episodes(path, record, fail)
+    if loaded is None:
         return result
-    if sha256_file(traj_path) != record["files"]["trajectories"]["sha256"]:
-        fail.append("trajectories.jsonl differs from the one the record was computed from")
-    trajs = [json.loads(line) for line in traj_path.read_text().splitlines() if line.strip()]
+    trajs, rows = loaded
     # the config
     cell: Cell | None = None
     try:
@@ -182,18 +222,16 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
             fail.append(
                 f"episodes are not the suite's: {sum(missing.values())} missing, {sum(extra.values())} extra or duplicated"
             )
-    # numbers re-derive from the trajectories
-    if cell is not None:
+    # numbers re-derive from the episodes
+    if cell is not None and rows is not None:
         try:
-            rows = [episode_row(Trajectory.from_dict(d)) for d in trajs]
-            recomputed = results(cell, rows)
+            recomputed = finite(results(cell, rows))
         except (KeyError, TypeError, ValueError, CompactionGymError) as exc:
-            fail.append(f"trajectories unreadable: {exc}")
+            fail.append(f"episodes unreadable: {exc}")
         else:
-            recomputed = finite(recomputed)
             for key in ("score", "tasks", "per_seed", "across_seeds", "kv", "tokens", "episodes"):
                 if not _close(recomputed[key], record["results"][key]):
-                    fail.append(f"results.{key} does not match the trajectories")
+                    fail.append(f"results.{key} does not match the episodes")
     # budget and events
     if cell is not None:
         fail.extend(comparison_failures(path, record, suite))

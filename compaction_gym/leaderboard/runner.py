@@ -22,13 +22,13 @@ from typing import Any
 from compaction_gym.agents.evaluate import load_backend, play
 from compaction_gym.agents.trajectory import Trajectory, jsonable
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.leaderboard.audit import AUDIT_FILE, audit_entries, rows_from_trajectories, write_audit
 from compaction_gym.leaderboard.record import (
     LOG_FILE,
     RECORD_FILE,
     RECORD_SCHEMA,
     TRAJECTORIES_FILE,
     comparison,
-    episode_row,
     results,
     schema_errors,
     seal,
@@ -117,9 +117,11 @@ def build_record(
     prov: dict[str, Any],
 ) -> dict[str, Any]:
     """The sealed record of a finished cell (its comparison is attached by :func:`attach_comparisons`)."""
-    rows = [episode_row(Trajectory.from_dict(d)) for d in trajectories]
+    rows = rows_from_trajectories(trajectories)
     res = results(cell, rows)
     traj_path = directory / TRAJECTORIES_FILE
+    audit_path = directory / AUDIT_FILE
+    write_audit(audit_path, audit_entries(trajectories, rows))
     return seal(
         {
             "schema": RECORD_SCHEMA,
@@ -139,6 +141,7 @@ def build_record(
                     "sha256": sha256_file(traj_path),
                     "lines": len(trajectories),
                 },
+                "audit": {"path": AUDIT_FILE, "sha256": sha256_file(audit_path), "lines": len(rows)},
                 "log": LOG_FILE,
             },
         }
@@ -296,6 +299,8 @@ def run_suite(
             and previous_record is not None
             and previous_record.get("config_sha256") == cell.config_sha256()
             and previous_record["files"]["trajectories"]["sha256"] == sha256_file(traj_path)
+            and "audit" in previous_record["files"]
+            and (directory / AUDIT_FILE).exists()
         ):
             written.append(directory / RECORD_FILE)  # nothing new: the record stands as it is
             continue
