@@ -98,3 +98,20 @@ def test_concepts_figure_data_from_a_real_episode():
     for layer in range(model.config.num_hidden_layers):
         torch.testing.assert_close(k[layer], cache.layers[layer].keys[0])
         torch.testing.assert_close(v[layer], cache.layers[layer].values[0])
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_first_python_example_a_reader_copies_runs(page, capsys):
+    """The README's 30-second example and the getting-started page's run as written: one episode of
+    babyai-tiny whose printed peak KV respects the example's budget (plus one turn's input)."""
+    text = (ROOT / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, page
+    namespace: dict = {}
+    exec(compile(blocks[-1], page, "exec"), namespace)  # noqa: S102
+    traj = namespace["traj"]
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == f"{traj.success} {len(traj.turns)} turns, {len(traj.events)} compaction events, peak KV {traj.peak_kv_len}"
+    budget = namespace["agent"].compaction.max_kv_len
+    assert all(t.peak_kv_len <= budget + t.input_range[1] - t.input_range[0] for t in traj.turns)
