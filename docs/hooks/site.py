@@ -146,7 +146,7 @@ def openapi_markdown(schema: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _rewrite_links(markdown: str, base: Path, page_src: str, docs_dir: Path) -> str:
+def rewrite_links(markdown: str, base: Path, page_src: str, docs_dir: Path) -> str:
     """Rewrite relative links written from ``base`` for the page ``page_src``: links into ``docs/``
     become site links, links to files outside ``docs/`` become code spans."""
     docs_dir = docs_dir.resolve()
@@ -166,13 +166,13 @@ def _rewrite_links(markdown: str, base: Path, page_src: str, docs_dir: Path) -> 
     return _LINK.sub(fix, markdown)
 
 
-def _include(markdown: str, repo: Path, page_src: str, docs_dir: Path) -> str:
+def include_files(markdown: str, repo: Path, page_src: str, docs_dir: Path) -> str:
     """Replace each ``<!-- include: PATH -->`` (PATH from the repository root) by that file, its
     relative links rewritten for this page."""
 
     def sub(m: re.Match[str]) -> str:
         path = repo / m.group(1).strip()
-        return _rewrite_links(path.read_text(encoding="utf-8"), path.parent, page_src, docs_dir)
+        return rewrite_links(path.read_text(encoding="utf-8"), path.parent, page_src, docs_dir)
 
     return _INCLUDE.sub(sub, markdown)
 
@@ -188,8 +188,8 @@ def on_config(config: Any) -> Any:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     docs_dir = Path(config["docs_dir"]).resolve()
     src = page.file.src_uri
-    markdown = _rewrite_links(markdown, (docs_dir / src).parent, src, docs_dir)
-    markdown = _include(markdown, docs_dir.parent, src, docs_dir)
+    markdown = rewrite_links(markdown, (docs_dir / src).parent, src, docs_dir)
+    markdown = include_files(markdown, docs_dir.parent, src, docs_dir)
     if OPENAPI_MARKER in markdown:
         markdown = markdown.replace(OPENAPI_MARKER, openapi_markdown(openapi_schema()))
     return markdown

@@ -59,12 +59,12 @@ def test_http_api_page_lists_every_route_and_every_request_field(hooks):
 
 def test_the_site_renders_the_readme_with_site_links(hooks):
     readme = (ROOT / "README.md").read_text()
-    out = hooks._include("<!-- include: README.md -->", ROOT, "index.md", DOCS)
+    out = hooks.include_files("<!-- include: README.md -->", ROOT, "index.md", DOCS)
     assert out.startswith(readme.splitlines()[0])
     targets = re.findall(r"\]\(([^)]+)\)", out)
     assert "engine.md" in targets and not any(t.startswith("docs/") for t in targets)
     # from a page in a subfolder, links climb out of it; files outside docs/ become code
-    page = hooks._rewrite_links("[e](../engine.md) [m](../../compaction_gym/x.py)", DOCS / "tutorials", "tutorials/a.md", DOCS)
+    page = hooks.rewrite_links("[e](../engine.md) [m](../../compaction_gym/x.py)", DOCS / "tutorials", "tutorials/a.md", DOCS)
     assert page == "[e](../engine.md) `m`"
 
 
