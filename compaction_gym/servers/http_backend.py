@@ -126,13 +126,15 @@ class HTTPBackend:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (loaded lazily from the server's model path if not given)."""
+        """The model's tokenizer (loaded lazily from the server's model name or path if not given)."""
         with self._lock:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
-                try:
-                    self._tokenizer = AutoTokenizer.from_pretrained(self.name)
+                from compaction_gym.models.registry import resolve_model
+
+                try:  # a registered name (babyai-tiny, smollm2-135m-instruct) loads its local copy
+                    self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.name))
                 except Exception as exc:  # noqa: BLE001
                     raise InvalidArgumentError(
                         f"could not load the tokenizer of {self.name!r} here ({exc}); "
@@ -186,8 +188,9 @@ class HTTPBackend:
         """Step (and open) many sessions in one HTTP request; the server runs them as one engine batch.
 
         Raises:
-            The first failed request's typed error, with ``.results`` holding every outcome (a
-            StepResult, or the exception of that request; the successful steps were applied).
+            ServerError: the first failed request's typed error (a subclass), with ``.results``
+                holding every outcome (a StepResult, or the exception of that request; the
+                successful steps were applied).
         """
         if not requests:
             return []

@@ -93,3 +93,20 @@ def test_step_batch_raises_first_error_with_all_outcomes():
         _backend(handler).step_batch([StepRequest("a", [1]), StepRequest("b", [1])])
     outcomes = info.value.results
     assert outcomes[0].session_id == "a" and isinstance(outcomes[1], UnknownSessionError)
+
+
+def test_tokenizer_of_a_registered_model_name_loads_its_local_copy():
+    """A server started with ``--model babyai-tiny`` reports that name; the client's tokenizer is
+    the bundled one (the same vocabulary and encoding), not a failed hub lookup."""
+    from transformers import AutoTokenizer
+
+    from compaction_gym import models
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/health"
+        return httpx.Response(200, json={"model": "babyai-tiny", "max_slots": 1, "eos_token_ids": [0]})
+
+    reference = AutoTokenizer.from_pretrained(models.path("babyai-tiny"))
+    tok = _backend(handler).tokenizer
+    text = "Current Observation:\na wall 1 step forward"
+    assert len(tok) == len(reference) and tok.encode(text) == reference.encode(text)
