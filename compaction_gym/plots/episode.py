@@ -124,6 +124,9 @@ def plot_mass(trajectories: Sequence[Trajectory]) -> Any:
     for traj, idx, mass in series:
         ax.plot(idx, mass, marker="o", markersize=3, linewidth=1, label=_label(traj))
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("compaction event")
     ax.set_ylabel("attention mass kept (block / span)")
     ax.set_title("attention mass kept per event", fontsize=9)
