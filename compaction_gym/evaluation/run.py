@@ -84,7 +84,8 @@ def evaluate(
         # the kept episodes only: a line torn by the interruption is dropped
         write_atomic(traj_path, "".join(jsonl_line(t) for t in kept))
         (out_dir / "summary.json").unlink(missing_ok=True)  # written again when the run completes
-    tb = _tensorboard(out_dir, kept) if tensorboard and out_dir is not None else None
+    # nothing to play (a finished run re-run): its event files already hold everything
+    tb = _tensorboard(out_dir, kept) if tensorboard and out_dir is not None and any(plan.values()) else None
 
     def stream(_task: str, traj: Trajectory) -> None:
         if traj_path is not None:

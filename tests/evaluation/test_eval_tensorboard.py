@@ -77,6 +77,9 @@ def test_eval_logs_what_its_trajectories_hold(tiny_model_path, tmp_path):
         assert scalars(acc, f"summary/{label}/progression") == [(0, pytest.approx(stats["progression"]["mean"]))]
         assert scalars(acc, f"summary/{label}/tokens_mean") == [(0, pytest.approx(stats["tokens_mean"]))]
         assert scalars(acc, f"summary/{label}/peak_kv_max") == [(0, stats["peak_kv_max"])]
+    files = sorted((out / "tensorboard").iterdir())
+    evaluate(str(tiny_model_path), "AttnMatch-BabyAI-v0", output=out, engine_kwargs={"record_mass": True}, **KW)
+    assert sorted((out / "tensorboard").iterdir()) == files  # a finished run re-run logs nothing twice
 
 
 def test_no_tensorboard_writes_none(tiny_model_path, tmp_path):
