@@ -14,6 +14,9 @@ import torch
 from compaction_gym.compaction import _checks as C
 from compaction_gym.errors import InvalidArgumentError
 
+#: float32 logits computed at once (per chunk of rows): 2**24 elements = 64 MiB for the span's.
+CHUNK_ELEMENTS = 1 << 24
+
 
 @torch.no_grad()
 def attention_mass_kept(
@@ -26,7 +29,8 @@ def attention_mass_kept(
     key_bias: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
 ) -> float:
-    """Mean over probes and rows of (block mass / span mass), in float32 log-space.
+    """Mean over probes and rows of (block mass / span mass), in float32 log-space, a chunk of rows
+    at a time (memory stays bounded for long spans and many probes).
 
     Args:
         keys: the cache's keys before the event ``[B, T, d]``.
@@ -52,20 +56,25 @@ def attention_mass_kept(
         raise InvalidArgumentError(f"indices must be [{b}, t], got {list(indices.shape)}")
     if indices.shape[1] == 0 or queries.shape[1] == 0:
         return 0.0 if indices.shape[1] == 0 else float("nan")
-    k = keys.float()
-    q = queries.to(k.device, torch.float32)
-    idx = indices.to(k.device).long()
-    span_logits = scale * torch.einsum("bnd,btd->bnt", q, k[:, start:end])
-    kept = k.gather(1, idx[..., None].expand(-1, -1, d))
-    block_logits = scale * torch.einsum("bnd,btd->bnt", q, kept)
-    if key_bias is not None:
-        bias = key_bias.to(k.device, torch.float32)
-        span_logits = span_logits + bias[:, None, start:end]
-        if beta is None:
-            block_logits = block_logits + bias.gather(1, idx)[:, None, :]
-    if beta is not None:
-        if tuple(beta.shape) != tuple(indices.shape):
-            raise InvalidArgumentError(f"beta must match indices' shape {list(indices.shape)}, got {list(beta.shape)}")
-        block_logits = block_logits + beta.to(k.device, torch.float32)[:, None, :]
-    log_ratio = torch.logsumexp(block_logits, -1) - torch.logsumexp(span_logits, -1)
-    return float(log_ratio.exp().mean())
+    if beta is not None and tuple(beta.shape) != tuple(indices.shape):
+        raise InvalidArgumentError(f"beta must match indices' shape {list(indices.shape)}, got {list(beta.shape)}")
+    n, span_len = queries.shape[1], end - start
+    rows = max(1, CHUNK_ELEMENTS // (n * max(span_len, indices.shape[1])))  # bounded memory per chunk
+    total_ratio = 0.0
+    for lo in range(0, b, rows):
+        hi = min(b, lo + rows)
+        k = keys[lo:hi].float()
+        q = queries[lo:hi].to(k.device, torch.float32)
+        idx = indices[lo:hi].to(k.device).long()
+        span_logits = scale * torch.einsum("bnd,btd->bnt", q, k[:, start:end])
+        block_logits = scale * torch.einsum("bnd,btd->bnt", q, k.gather(1, idx[..., None].expand(-1, -1, d)))
+        if key_bias is not None:
+            bias = key_bias[lo:hi].to(k.device, torch.float32)
+            span_logits = span_logits + bias[:, None, start:end]
+            if beta is None:
+                block_logits = block_logits + bias.gather(1, idx)[:, None, :]
+        if beta is not None:
+            block_logits = block_logits + beta[lo:hi].to(k.device, torch.float32)[:, None, :]
+        log_ratio = torch.logsumexp(block_logits, -1) - torch.logsumexp(span_logits, -1)
+        total_ratio += float(log_ratio.double().exp().sum())
+    return total_ratio / (b * n)

@@ -103,3 +103,14 @@ def test_engine_events_record_the_mass_their_probes_keep(tiny_model_path, mode, 
     plain = Engine(engine.model, engine.tokenizer, max_slots=1, capacity=256)  # off by default
     r = plain.create_session(prompt, cfg, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     assert plain.compact(r.session_id, (4, 36), 0.25).mass_kept is None
+
+
+def test_chunks_of_rows_give_the_same_mean(monkeypatch):
+    from compaction_gym.compaction import mass
+
+    keys, queries, idx, g = _case(5, b=7)
+    beta = torch.randn(7, 5, generator=g)
+    whole = attention_mass_kept(keys, queries, (4, 16), idx, scale=0.3, beta=beta)
+    monkeypatch.setattr(mass, "CHUNK_ELEMENTS", 2 * 5 * 12)  # two rows per chunk: 4 chunks, the last short
+    assert attention_mass_kept(keys, queries, (4, 16), idx, scale=0.3, beta=beta) == pytest.approx(whole, rel=1e-6)
+    assert whole == pytest.approx(reference_mass(keys, queries, (4, 16), idx, 0.3, beta=beta), rel=1e-5)
