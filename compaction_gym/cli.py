@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("compaction_gym.servers.cli", "serve the session API over HTTP"),
     "train": ("compaction_gym.trainers.cli", "train with GRPO replay, tree SFT or GJS distillation"),
     "demos": ("compaction_gym.demos.cli", "record expert-bot BabyAI demonstrations through compacted sessions"),
+    "plot": (
+        "compaction_gym.plots.cli",
+        "draw PNGs: one episode's KV length, attention mass kept per event, leaderboard curves",
+    ),
     "bench": ("compaction_gym.bench", "run a performance benchmark from benchmarks/"),
 }
 

@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "demos": 9,
     "cli": 10,
     "bench": 10,
+    "plots": 10,
 }
 #: the package root only registers the env ids
 ROOT_MAY_IMPORT = {"envs", "errors"}

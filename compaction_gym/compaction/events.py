@@ -127,6 +127,9 @@ class CompactionEvent:
         beta: the fitted β of the kept rows, float32 ``[L, H_kv, t]``, exactly as the cache
             received it; ``None`` when no β was fitted (and in version-1 records). Replay uses it
             as the constant β instead of refitting (see ``docs/compaction.md``).
+        mass_kept: the probes' attention mass the block keeps, relative to the span's
+            (:func:`~compaction_gym.compaction.mass.attention_mass_kept`); a diagnostic, ``None``
+            when not measured (no probes, older records). Written only when set.
     """
 
     index: int
@@ -147,6 +150,7 @@ class CompactionEvent:
     timings: dict[str, float] = field(default_factory=dict)
     probe_rows: tuple[int, int] | None = None
     beta: torch.Tensor | None = None
+    mass_kept: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 3:
@@ -178,6 +182,8 @@ class CompactionEvent:
                     f"beta must match indices' shape {tuple(self.indices.shape)}, got {tuple(self.beta.shape)}"
                 )
             self.beta = self.beta.detach().to("cpu", torch.float32)
+        if self.mass_kept is not None:
+            self.mass_kept = float(self.mass_kept)
 
     def forced_indices(self) -> torch.Tensor:
         """The kept indices as ``compact(forced_indices=...)`` takes them: int64 ``[L * H_kv, t]``."""
@@ -201,8 +207,10 @@ class CompactionEvent:
         return cls.from_dict(json.loads(text))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; ``indices`` and ``beta`` base64-encoded (see the module docstring)."""
-        return {
+        """A JSON-safe dict; ``indices`` and ``beta`` base64-encoded (see the module docstring).
+
+        ``mass_kept`` (optional in every version) is written only when measured."""
+        out = {
             "version": EVENT_FORMAT_VERSION,
             "index": self.index,
             "trigger": self.trigger,
@@ -225,6 +233,9 @@ class CompactionEvent:
             "probe_rows": None if self.probe_rows is None else list(self.probe_rows),
             "beta": None if self.beta is None else encode_float_tensor(self.beta),
         }
+        if self.mass_kept is not None:
+            out["mass_kept"] = self.mass_kept
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompactionEvent:
@@ -270,6 +281,7 @@ class CompactionEvent:
             timings={k: float(v) for k, v in d.get("timings", {}).items()},
             probe_rows=None if rows is None else (int(rows[0]), int(rows[1])),
             beta=None if beta is None else decode_float_tensor(beta),
+            mass_kept=None if d.get("mass_kept") is None else float(d["mass_kept"]),
         )
 
     def __eq__(self, other: object) -> bool:

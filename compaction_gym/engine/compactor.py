@@ -27,6 +27,7 @@ import torch
 
 from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
+from compaction_gym.compaction.mass import attention_mass_kept
 from compaction_gym.compaction.modes import POSITION_MODES, QUERY_MODES, target_size
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
@@ -42,10 +43,18 @@ def records_queries(config) -> bool:
 class Compactor:
     """Applies compaction events to sessions' slots."""
 
-    def __init__(self, cache: SlotKVCache, layout: ModelLayout, compact_fn: Callable[..., CompactionResult] = compact) -> None:
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        layout: ModelLayout,
+        compact_fn: Callable[..., CompactionResult] = compact,
+        record_mass: bool = False,
+    ) -> None:
         self.cache = cache
         self.layout = layout
         self.compact_fn = compact_fn  # the fast path passes its fused Attention Matching
+        #: measure each event's ``mass_kept`` (a diagnostic: one more probes × span product per event)
+        self.record_mass = record_mass
 
     # -------------------------------------------------------------- triggers
     def kv_budget_span(self, s: Session, kv_len: int | None = None, fired: int = 0) -> tuple[int, int] | None:
@@ -162,13 +171,25 @@ class Compactor:
         )
         timings["compact"] = time.perf_counter() - t0 - timings["probes"]
         keys, values, beta = result.keys, result.values, result.beta
+        t_mass = time.perf_counter()
+        mass = None
+        if self.record_mass and target == 0:
+            mass = 0.0
+        elif self.record_mass and queries is not None:  # before the span's rows are overwritten
+            mass = attention_mass_kept(
+                keys_all, queries, span, result.indices, scale=lay.scale,
+                key_bias=beta_all if cache.has_beta[s.slot] else None, beta=beta,
+            )  # fmt: skip
+        if self.record_mass:
+            timings["mass"] = time.perf_counter() - t_mass
         indices = result.indices.reshape(lay.n_layers, lay.n_kv_heads, target).cpu()
         if cfg.compute_beta and beta is not None:  # what the cache stores (float32): replay's constant β
             recorded_beta = beta.reshape(lay.n_layers, lay.n_kv_heads, target).to("cpu", torch.float32)
         kv_after = cache.replace_span(s.slot, span, keys, values, beta)
         s.row_map.replace(start, end, target, log_span)
         assert s.row_map.rows == kv_after
-        timings["total"] = time.perf_counter() - t0
+        # the diagnostic is not compaction's cost
+        timings["total"] = time.perf_counter() - t0 - timings.get("mass", 0.0)
         event = CompactionEvent(
             index=index,
             trigger=trigger,
@@ -188,6 +209,7 @@ class Compactor:
             timings=timings,
             probe_rows=probe_rows,
             beta=recorded_beta,
+            mass_kept=mass,
         )
         s.events.append(event)
         return event

@@ -49,6 +49,8 @@ class Engine:
             decode, fused compaction). ``None`` (default): on for Qwen3/Qwen2/Llama models on
             CUDA with Triton installed, else the generic path. ``True`` raises
             ``InvalidArgumentError`` where the fast path cannot run.
+        record_mass: record each event's ``mass_kept`` (the probes' attention mass the block
+            keeps; docs/compaction.md, "Mass kept") — a diagnostic for plots, off by default.
 
     Example:
         >>> engine = Engine.from_pretrained("Qwen/Qwen3-0.6B", max_slots=4)  # doctest: +SKIP
@@ -67,6 +69,7 @@ class Engine:
         capacity: int | None = None,
         prefill_chunk: int = 2048,
         fast: bool | None = None,
+        record_mass: bool = False,
     ) -> None:
         if max_slots < 1:
             raise InvalidArgumentError(f"max_slots must be >= 1, got {max_slots}")
@@ -96,10 +99,10 @@ class Engine:
             from compaction_gym.engine.fast import FastModelRunner, compact_fast
 
             self.runner = FastModelRunner(model, self.cache, layout)
-            self.compactor = Compactor(self.cache, layout, compact_fn=compact_fast)
+            self.compactor = Compactor(self.cache, layout, compact_fn=compact_fast, record_mass=record_mass)
         else:
             self.runner = ModelRunner(model, self.cache, layout)
-            self.compactor = Compactor(self.cache, layout)
+            self.compactor = Compactor(self.cache, layout, record_mass=record_mass)
         self.scheduler = Scheduler(
             self.runner,
             self.compactor,

@@ -79,11 +79,25 @@ class EvalConfig:
     capacity: int | None = field(
         default=None, metadata={"help": "KV rows per session slot (unset: engine's)"}
     )
+    tensorboard: bool = field(
+        default=True,
+        metadata={"help": "write TensorBoard event files to OUTPUT/tensorboard (docs/tensorboard.md)"},
+    )
+    record_mass: bool = field(
+        default=False,
+        metadata={
+            "help": "record each compaction event's attention mass kept (for `compaction-gym plot mass`; "
+            "one more probes x span product per event)"
+        },
+    )
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
             k: v
-            for k, v in (("device", self.device), ("dtype", self.dtype), ("capacity", self.capacity))
+            for k, v in (
+                ("device", self.device), ("dtype", self.dtype), ("capacity", self.capacity),
+                ("record_mass", self.record_mass),
+            )  # fmt: skip
             if v
         }
 
@@ -179,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
             progress=cfg.progress,
             policy=cfg.policy,
             overwrite=cfg.overwrite,
+            tensorboard=cfg.tensorboard,
         )
     except CompactionGymError as exc:
         print(f"compaction-gym eval: {exc}", file=sys.stderr)  # one line, unwrapped

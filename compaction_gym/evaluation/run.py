@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,14 @@ from compaction_gym.atomic import write_atomic
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.evaluation.summary import make_summary
+
+#: TensorBoard folder inside an eval ``--output`` (``tensorboard --logdir OUTPUT/tensorboard``).
+TENSORBOARD_DIR = "tensorboard"
+#: Summary statistics logged as ``summary/<task>/<stat>`` (besides ``progression``).
+SUMMARY_STATS = (
+    "success_rate", "reward_mean", "turns_mean", "tokens_mean", "generated_tokens_mean",
+    "peak_kv_mean", "peak_kv_max", "compaction_events_mean", "invalid_action_rate",
+)  # fmt: skip
 
 
 def evaluate(
@@ -34,6 +43,7 @@ def evaluate(
     progress: bool = True,
     policy: str = "model",
     overwrite: bool = False,
+    tensorboard: bool = True,
 ) -> dict[str, Any]:
     """Run ``episodes`` episodes per task and return (and write) the summary.
 
@@ -42,8 +52,10 @@ def evaluate(
     ``run.json`` (the run's settings, written first) and ``summary.json`` (written last,
     atomically); nothing is written if ``None``. Re-running into a folder that holds an interrupted
     run with the same settings **resumes** it: finished episodes are kept and only the missing ones
-    play. A folder holding a run with other settings is refused unless ``overwrite``. The other
-    arguments are :func:`~compaction_gym.agents.evaluate.play`'s.
+    play. A folder holding a run with other settings is refused unless ``overwrite``. With
+    ``tensorboard`` (and an ``output``), TensorBoard event files go to ``output/tensorboard``
+    (:data:`TENSORBOARD_DIR`; docs/tensorboard.md). The other arguments are
+    :func:`~compaction_gym.agents.evaluate.play`'s.
 
     Returns:
         The summary dict (see ``docs/eval.md``).
@@ -72,37 +84,68 @@ def evaluate(
         # the kept episodes only: a line torn by the interruption is dropped
         write_atomic(traj_path, "".join(jsonl_line(t) for t in kept))
         (out_dir / "summary.json").unlink(missing_ok=True)  # written again when the run completes
+    # nothing to play (a finished run re-run): its event files already hold everything
+    tb = _tensorboard(out_dir, kept) if tensorboard and out_dir is not None and any(plan.values()) else None
 
     def stream(_task: str, traj: Trajectory) -> None:
         if traj_path is not None:
             write_jsonl(traj_path, [traj], append=True)
+        if tb is not None:
+            tb.log_episode(traj)
 
-    run = play(
-        model,
-        env,
-        tasks=tasks,
-        compaction=compaction,
-        sampling=sampling,
-        prompt=prompt,
-        seeds=plan,
-        batch=batch,
-        env_kwargs=env_kwargs,
-        backend=backend,
-        engine_kwargs=engine_kwargs,
-        progress=progress,
-        policy=policy,
-        on_episode=stream,
-    )
-    for traj in kept:  # the finished episodes of an interrupted run, in seed order with the new ones
-        run.by_task.setdefault(traj.info.get("eval_task") or "all", []).append(traj)
-    for label in run.by_task:
-        run.by_task[label].sort(key=lambda t: (t.seed is None, t.seed))
-    summary = make_summary(
-        run, seed=seed, episodes=episodes, trajectories="trajectories.jsonl" if out_dir is not None else None
-    )
-    if out_dir is not None:
-        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    try:
+        run = play(
+            model,
+            env,
+            tasks=tasks,
+            compaction=compaction,
+            sampling=sampling,
+            prompt=prompt,
+            seeds=plan,
+            batch=batch,
+            env_kwargs=env_kwargs,
+            backend=backend,
+            engine_kwargs=engine_kwargs,
+            progress=progress,
+            policy=policy,
+            on_episode=stream,
+        )
+        for traj in kept:  # the finished episodes of an interrupted run, in seed order with the new ones
+            run.by_task.setdefault(traj.info.get("eval_task") or "all", []).append(traj)
+        for label in run.by_task:
+            run.by_task[label].sort(key=lambda t: (t.seed is None, t.seed))
+        summary = make_summary(
+            run, seed=seed, episodes=episodes, trajectories="trajectories.jsonl" if out_dir is not None else None
+        )
+        if out_dir is not None:
+            write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        if tb is not None:
+            tb.log_histograms([t for trajs in run.by_task.values() for t in trajs], step=0)
+            tb.log_scalars(summary_scalars(summary), step=0, prefix="summary/")
+    finally:
+        if tb is not None:
+            tb.close()
     return summary
+
+
+def _tensorboard(out_dir: Path, kept: list[Trajectory]) -> Any:
+    """The run's :class:`TrajectoryLogger`; a fresh run (nothing kept) clears older event files."""
+    from compaction_gym.agents.tensorboard import TrajectoryLogger
+
+    log_dir = out_dir / TENSORBOARD_DIR
+    if not kept and log_dir.is_dir():
+        shutil.rmtree(log_dir)
+    return TrajectoryLogger(log_dir, episode_step=len(kept), event_step=sum(len(t.events) for t in kept))
+
+
+def summary_scalars(summary: dict[str, Any]) -> dict[str, float | None]:
+    """``<task>/<stat>`` for each task and ``overall``: the summary's numbers (progression in percent)."""
+    out: dict[str, float | None] = {}
+    for label, stats in {**summary["tasks"], "overall": summary["overall"]}.items():
+        out[f"{label}/progression"] = stats["progression"]["mean"]
+        for key in SUMMARY_STATS:
+            out[f"{label}/{key}"] = stats[key]
+    return out
 
 
 def _resumable(out_dir: Path, traj_path: Path, settings: dict[str, Any], overwrite: bool) -> list[Trajectory]:

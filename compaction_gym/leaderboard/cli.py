@@ -40,6 +40,11 @@ def register(subparsers: Any) -> None:
     run.add_argument("--dtype", help="weights/cache dtype (default: float32 on CPU, checkpoint dtype on GPU)")
     run.add_argument("--capacity", type=int, help="KV rows per session slot (default: engine's)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--no-tensorboard",
+        action="store_true",
+        help="write no TensorBoard event files (default: OUTPUT/tensorboard/SUITE/METHOD/BUDGET per cell)",
+    )
     run.set_defaults(func=main_run)
     show = sub.add_parser("show", help="ranked tables and plots of the records")
     show.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
@@ -72,6 +77,7 @@ def main_run(args: argparse.Namespace) -> int:
             engine_kwargs=engine,
             progress=not args.no_progress,
             limit_episodes=args.limit_episodes,
+            tensorboard=not args.no_tensorboard,
         )
     except CompactionGymError as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -169,6 +170,7 @@ def run_suite(
     progress: bool = True,
     on_episode: Callable[[Cell, Trajectory], None] | None = None,
     limit_episodes: int | None = None,
+    tensorboard: bool = True,
 ) -> list[Path]:
     """Play every selected cell of ``suite`` (resuming), write its record; returns the record paths.
 
@@ -181,6 +183,8 @@ def run_suite(
         on_episode: called after each episode is on disk (tests use it to interrupt a run).
         limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
             are incomplete and fail ``check`` until a full run resumes them).
+        tensorboard: log each cell's episodes, events and results to TensorBoard under
+            ``OUTPUT/tensorboard/SUITE/METHOD/BUDGET`` (:func:`tensorboard_dir`; docs/tensorboard.md).
     """
     known = suite.methods
     chosen = list(methods) if methods else known
@@ -250,6 +254,7 @@ def run_suite(
             state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
             write_json_atomic(cell_file, state)
 
+        tb = _cell_logger(output, cell, done) if tensorboard and missing else None
         if missing:
             _log(
                 log,
@@ -262,10 +267,13 @@ def run_suite(
                 cell: Cell = cell,
                 log: Path = log,
                 traj_path: Path = traj_path,
+                tb: Any = tb,
             ) -> None:
                 traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
                 append_jsonl(traj_path, [jsonable(traj.to_dict())])
                 save_clock()
+                if tb is not None:
+                    tb.log_episode(traj)
                 _log(
                     log,
                     f"episode task={traj.info['eval_task']} env_seed={traj.seed} score={traj.info.get('progression', traj.info.get('score'))}",
@@ -273,22 +281,12 @@ def run_suite(
                 if on_episode is not None:
                     on_episode(cell, traj)
 
-            play(
-                cell.model,
-                cell.env,
-                tasks=cell.tasks,
-                compaction=cell.compaction,
-                sampling=cell.sampling,
-                prompt=cell.prompt,
-                seeds=plan,
-                batch=cell.batch,
-                env_kwargs=cell.env_kwargs,
-                backend=backend,
-                progress=progress,
-                policy=cell.policy,
-                on_episode=stream,
-                desc=cell.key,
-            )
+            try:
+                _play_cell(cell, plan, backend, progress, stream)
+            except BaseException:
+                if tb is not None:
+                    tb.close()
+                raise
         trajectories = read_episodes(traj_path, episode_key)
         # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
         wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
@@ -318,12 +316,66 @@ def run_suite(
         if errors:
             raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
         write_json_atomic(directory / RECORD_FILE, record)
+        if tb is not None:
+            tb.log_histograms([Trajectory.from_dict(d) for d in trajectories], step=0)
+            tb.log_scalars(record_scalars(record["results"]), step=0, prefix="summary/")
+            tb.close()
         _log(
             log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}"
         )
         written.append(directory / RECORD_FILE)
     attach_comparisons(suite, output)
     return written
+
+
+def tensorboard_dir(output: str | Path, cell: Cell) -> Path:
+    """A cell's TensorBoard folder: ``OUTPUT/tensorboard/SUITE/METHOD/BUDGET`` (one TensorBoard run per cell)."""
+    return Path(output) / "tensorboard" / cell.suite / cell.method / cell.budget.label
+
+
+def record_scalars(results: dict[str, Any]) -> dict[str, float | None]:
+    """A record's headline numbers for TensorBoard (``summary/<key>``)."""
+    return {
+        "score": results["score"]["mean"],
+        "score_se": results["score"]["se"],
+        "peak_kv_mean": results["kv"]["peak_mean"],
+        "peak_kv_max": results["kv"]["peak_max"],
+        "kv_retained_mean": results["kv"]["kv_retained_mean"],
+        "tokens_mean": results["tokens"]["mean"],
+        "turns_mean": results["turns_mean"],
+        "compaction_events_mean": results["compaction_events_mean"],
+    }
+
+
+def _cell_logger(output: str | Path, cell: Cell, done: list[dict[str, Any]]) -> Any:
+    """The cell's :class:`TrajectoryLogger`, continuing the step counts of the episodes on disk
+    (a cell started afresh clears older event files)."""
+    from compaction_gym.agents.tensorboard import TrajectoryLogger
+
+    log_dir = tensorboard_dir(output, cell)
+    if not done and log_dir.is_dir():
+        shutil.rmtree(log_dir)
+    return TrajectoryLogger(log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done))
+
+
+def _play_cell(cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable) -> None:
+    """Play a cell's missing episodes through :func:`play`, streaming each to ``stream``."""
+    play(
+        cell.model,
+        cell.env,
+        tasks=cell.tasks,
+        compaction=cell.compaction,
+        sampling=cell.sampling,
+        prompt=cell.prompt,
+        seeds=plan,
+        batch=cell.batch,
+        env_kwargs=cell.env_kwargs,
+        backend=backend,
+        progress=progress,
+        policy=cell.policy,
+        on_episode=stream,
+        desc=cell.key,
+    )
 
 
 def attach_comparisons(suite: Suite, output: str | Path) -> None:

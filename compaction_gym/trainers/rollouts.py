@@ -173,6 +173,9 @@ class EnvRollouts:
         name = model_name or str(getattr(config, "_name_or_path", "") or "")
         self.backend = LocalBackend(self.engine, name=name)
         self._pool: dict[str, list[gym.Env]] = {}
+        #: called with each :meth:`run`'s trajectories (e.g. the TensorBoard histograms of
+        #: :func:`compaction_gym.trainers.tensorboard.attach_rollout_histograms`)
+        self.listeners: list[Callable[[list[Trajectory]], None]] = []
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -203,6 +206,8 @@ class EnvRollouts:
                 envs = self._envs([s.env for s in chunk])
                 agents = [self._agent(s) for s in chunk]
                 out += run_episodes(envs, agents, [s.seed for s in chunk])
+        for listener in self.listeners:
+            listener(out)
         return out
 
     def close(self) -> None:

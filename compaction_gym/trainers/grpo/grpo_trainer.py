@@ -41,6 +41,7 @@ from compaction_gym.trainers.rollouts import (
     rollout_batch,
     rollout_metrics,
 )
+from compaction_gym.trainers.tensorboard import attach_rollout_histograms
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
             capacity=args.engine_capacity,
             fast=args.engine_fast,
         )
+        attach_rollout_histograms(self)  # per-event/episode distributions beside TRL's scalars (docs/tensorboard.md)
 
     # ------------------------------------------------------------------------------ rollouts
     def _rollout(self, prompts: list, trainer: GRPOTrainer) -> dict[str, list]:

@@ -75,6 +75,11 @@ class TreeSFTConfig(SFTConfig):
     )
 
     # -- defaults changed from SFTConfig -------------------------------------------------------
+    report_to: None | str | list[str] = field(
+        default="tensorboard",
+        metadata={"help": "Trackers to log to (TensorBoard by default; 'none' turns logging off)."},
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "Trees per micro-batch; must be 1."}
     )
