@@ -39,8 +39,30 @@ def register(subparsers: Any) -> None:
     run.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     run.add_argument("--dtype", help="weights/cache dtype (default: float32 on CPU, checkpoint dtype on GPU)")
     run.add_argument("--capacity", type=int, help="KV rows per session slot (default: engine's)")
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes sharing the device, one cell each at a time, 1 torch thread each "
+        "(default: %(default)s: in this process)",
+    )
+    run.add_argument(
+        "--time-limit",
+        type=float,
+        help="stop the workers after this many seconds, pair the finished records and exit 3 "
+        "(re-run to resume; runs in worker processes even with --jobs 1)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.set_defaults(func=main_run)
+    cells = sub.add_parser("cells", help="list a run's cells: episodes planned, on disk, to play, time left")
+    cells.add_argument("suite", help="suite name or TOML path")
+    cells.add_argument("--methods", nargs="+", help="methods (default: all)")
+    cells.add_argument("--budgets", nargs="+", help="budget labels (default: all)")
+    cells.add_argument("--seeds", nargs="+", type=int, help="a subset of the suite's seeds")
+    cells.add_argument("--limit-episodes", type=int, help="as for run")
+    cells.add_argument("--output", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
+    cells.add_argument("--jobs", type=int, default=1, help="workers the time estimate assumes")
+    cells.set_defaults(func=main_cells)
     show = sub.add_parser("show", help="ranked tables and plots of the records")
     show.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
     show.add_argument(
@@ -54,6 +76,7 @@ def register(subparsers: Any) -> None:
 
 
 def main_run(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.parallel import RunIncomplete, run_suite_parallel
     from compaction_gym.leaderboard.runner import run_suite
     from compaction_gym.leaderboard.suite import load_suite
 
@@ -63,21 +86,53 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         check_output_dir(args.output, "--output")
         suite = load_suite(args.suite)
-        paths = run_suite(
-            suite,
-            methods=args.methods,
-            budgets=args.budgets,
-            seeds=args.seeds,
-            output=args.output,
-            engine_kwargs=engine,
-            progress=not args.no_progress,
-            limit_episodes=args.limit_episodes,
-        )
+        if args.jobs != 1 or args.time_limit is not None:
+            paths = run_suite_parallel(
+                suite,
+                jobs=args.jobs,
+                time_limit=args.time_limit,
+                methods=args.methods,
+                budgets=args.budgets,
+                seeds=args.seeds,
+                output=args.output,
+                engine_kwargs=engine,
+                progress=not args.no_progress,
+                limit_episodes=args.limit_episodes,
+            )
+        else:
+            paths = run_suite(
+                suite,
+                methods=args.methods,
+                budgets=args.budgets,
+                seeds=args.seeds,
+                output=args.output,
+                engine_kwargs=engine,
+                progress=not args.no_progress,
+                limit_episodes=args.limit_episodes,
+            )
+    except RunIncomplete as exc:
+        print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
+        return 3
     except CompactionGymError as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
         return 2
     for p in paths:
         print(f"wrote {p}")
+    return 0
+
+
+def main_cells(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.plan import cell_plan, format_plan
+    from compaction_gym.leaderboard.runner import select_cells
+    from compaction_gym.leaderboard.suite import load_suite
+
+    try:
+        suite = load_suite(args.suite)
+        cells, run_seeds = select_cells(suite, args.methods, args.budgets, args.seeds)
+    except CompactionGymError as exc:
+        print(f"compaction-gym leaderboard cells: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(cell_plan(cells, run_seeds, args.output, args.limit_episodes), args.jobs))
     return 0
 
 
