@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.agents.trajectory import Trajectory
 from compaction_gym.errors import CompactionGymError
 from compaction_gym.leaderboard.record import (
     RECORD_FILE,
     TRAJECTORIES_FILE,
     content_hash_ok,
-    episode_row,
+    episode_rows,
     finite,
     results,
     schema_errors,
@@ -118,7 +117,7 @@ def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[
         return []
     from compaction_gym.leaderboard.record import comparison
 
-    base = next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    base = suite.baseline
     base_path = path.parents[2] / base.method / base.budget.label / RECORD_FILE if base is not None else None
     if base_path is None or not base_path.exists():
         return ["comparison_vs_none: the none record it was computed against is missing"]
@@ -185,7 +184,7 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
     # numbers re-derive from the trajectories
     if cell is not None:
         try:
-            rows = [episode_row(Trajectory.from_dict(d)) for d in trajs]
+            rows = episode_rows(trajs)
             recomputed = results(cell, rows)
         except (KeyError, TypeError, ValueError, CompactionGymError) as exc:
             fail.append(f"trajectories unreadable: {exc}")

@@ -64,9 +64,9 @@ def _worker(
     torch.set_num_threads(1)
     try:
         suite = load_suite(suite_path)
-        cells = [suite.cell(*k.split("/", 1)) for k in keys]
-        model = model_block(cells[0].model)
-        backend = load_suite_backend(cells, model["resolved"], options["engine_kwargs"])
+        llm = [c for c in (suite.cell(*k.split("/", 1)) for k in keys) if c.trainer is None]
+        model = model_block(llm[0].model) if llm else {}
+        backend = load_suite_backend(llm, model["resolved"], options["engine_kwargs"]) if llm else None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         events.put(("fatal", "", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
@@ -85,7 +85,7 @@ def _worker(
                 backend=backend,
                 model=model,
                 progress=False,
-                on_episode=lambda c, t: events.put(("episode", c.key, float(t.info.get("progression", 0.0)))),
+                on_episode=lambda c, _episode: events.put(("episode", c.key, None)),
                 limit_episodes=options["limit_episodes"],
                 run_info={"jobs": options["jobs"]},
             )
@@ -99,9 +99,11 @@ def schedule(suite: Suite, cells: Sequence[Any], plans: dict[str, int]) -> list[
     """Cell keys in the order workers take them: ``none`` first, then by episodes to play and
     smaller budgets first (they take more turns), cells with nothing to play last."""
 
-    def order(cell: Any) -> tuple[int, int, int]:
+    base = suite.baseline
+
+    def order(cell: Any) -> tuple[bool, int, int]:
         return (
-            cell.compaction.mode != "none",
+            base is None or cell.key != base.key,
             -plans[cell.key],
             cell.budget.max_kv_len or 0,
         )
@@ -143,7 +145,9 @@ def run_suite_parallel(
     cells, run_seeds = select_cells(suite, methods, budgets, seeds)
     for cell in cells:
         prepare_cell(output, cell)
-    model_block(cells[0].model)  # a model converted on first use is converted once, here
+    llm = [c for c in cells if c.trainer is None]
+    if llm:
+        model_block(llm[0].model)  # a model converted on first use is converted once, here
     plans = {p.cell.key: p.to_play for p in cell_plan(cells, run_seeds, output, limit_episodes)}
     order = schedule(suite, cells, plans)
     total = sum(plans.values())

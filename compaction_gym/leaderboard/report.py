@@ -48,7 +48,8 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
     out = []
     for i, (rec, verdict) in enumerate(ranked, 1):
         res, comp = rec["results"], rec.get("comparison_vs_none")
-        kv = res["kv"]
+        kv, tokens = res["kv"], res["tokens"]
+        no_kv = kv is None  # an agent without a KV cache (the sb3_ppo reference row)
         delta = p = "–"
         if comp:
             lo, hi = comp["ci95"]
@@ -59,16 +60,26 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
                 str(i),
                 rec["method"],
                 rec["budget"]["label"],
-                _f(rec["budget"]["max_kv_len"], "d") if rec["budget"]["max_kv_len"] else "full",
+                "n/a"
+                if no_kv
+                else _f(rec["budget"]["max_kv_len"], "d")
+                if rec["budget"]["max_kv_len"]
+                else "full",
                 f"{_f(res['score']['mean'])} ± {_f(res['score']['se'])}",
                 _f(res["across_seeds"]["se"]),
                 delta,
                 p,
-                f"{_f(kv['peak_mean'], '.0f')} / {kv['peak_max']}",
-                _f(kv["mean_mean"], ".0f"),
-                f"{_f(100 * kv['kv_retained_mean'], '.0f')} %",
-                _f(kv["compression_ratio"], ".2f"),
-                _f(res["tokens"]["mean"], ".0f"),
+                *(
+                    ["n/a"] * 4
+                    if no_kv
+                    else [
+                        f"{_f(kv['peak_mean'], '.0f')} / {kv['peak_max']}",
+                        _f(kv["mean_mean"], ".0f"),
+                        f"{_f(100 * kv['kv_retained_mean'], '.0f')} %",
+                        _f(kv["compression_ratio"], ".2f"),
+                    ]
+                ),
+                "n/a" if tokens is None else _f(tokens["mean"], ".0f"),
                 _f(rec["provenance"]["wall_time_s"]),
                 "yes" if verdict.ok else "NO: " + "; ".join(verdict.failures[:2]),
             ]
@@ -109,9 +120,12 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
                 recs = sorted(
                     (r for r in recs if r["budget"]["max_kv_len"]), key=lambda r: r["budget"]["max_kv_len"]
                 )
-                if not recs:  # the full-KV baseline: a band
+                if not recs:  # the full-KV baseline (or a row without KV): a line across
                     full = by_method[method][0]["results"]["score"]
-                    if full["mean"] is not None:
+                    if by_method[method][0]["results"]["kv"] is None and full["mean"] is not None:
+                        ax.axhline(full["mean"], color="tab:brown", linestyle=":", linewidth=1.2,
+                                   label=f"{method} (no KV)")  # fmt: skip
+                    elif full["mean"] is not None:
                         ax.axhline(
                             full["mean"],
                             color="black",
@@ -126,7 +140,12 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
                     continue
                 xs = [r["budget"]["max_kv_len"] for r in recs]
             else:
-                recs = sorted(recs, key=lambda r: r["results"]["kv"]["compression_ratio"])
+                recs = sorted(
+                    (r for r in recs if r["results"]["kv"] is not None),
+                    key=lambda r: r["results"]["kv"]["compression_ratio"],
+                )
+                if not recs:
+                    continue
                 xs = [r["results"]["kv"]["compression_ratio"] for r in recs]
             ys = [r["results"]["score"]["mean"] for r in recs]
             es = [r["results"]["score"]["se"] or 0.0 for r in recs]

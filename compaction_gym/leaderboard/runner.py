@@ -29,7 +29,7 @@ from compaction_gym.leaderboard.record import (
     RECORD_SCHEMA,
     TRAJECTORIES_FILE,
     comparison,
-    episode_row,
+    episode_rows,
     results,
     schema_errors,
     seal,
@@ -57,13 +57,14 @@ def episode_key(d: dict[str, Any]) -> tuple[str, int]:
     return str(d["info"].get("eval_task_requested")), int(d["seed"])
 
 
-def _now() -> str:
+def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def _log(path: Path, message: str) -> None:
+def log_line(path: Path, message: str) -> None:
+    """Append a timestamped line to a cell's ``run.log``."""
     with path.open("a") as fh:
-        fh.write(f"{_now()} {message}\n")
+        fh.write(f"{now_iso()} {message}\n")
 
 
 def hardware(backend: Any) -> dict[str, Any]:
@@ -116,7 +117,7 @@ def build_record(
     prov: dict[str, Any],
 ) -> dict[str, Any]:
     """The sealed record of a finished cell (its comparison is attached by :func:`attach_comparisons`)."""
-    rows = [episode_row(Trajectory.from_dict(d)) for d in trajectories]
+    rows = episode_rows(trajectories)
     res = results(cell, rows)
     traj_path = directory / TRAJECTORIES_FILE
     return seal(
@@ -145,8 +146,8 @@ def build_record(
 
 
 def baseline_cell(suite: Suite) -> Cell | None:
-    """The suite's full-KV cell (the first method with mode ``none``)."""
-    return next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    """The suite's full-KV cell (:attr:`Suite.baseline`)."""
+    return suite.baseline
 
 
 def load_record(path: Path) -> dict[str, Any] | None:
@@ -186,7 +187,8 @@ def select_cells(
     ]
     if not cells:
         raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
-    cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
+    base = suite.baseline
+    cells.sort(key=lambda c: base is None or c.key != base.key)  # the baseline first
     return cells, run_seeds
 
 
@@ -254,7 +256,7 @@ def run_cell(
             file=sys.stderr,
         )
     state = json.loads(cell_file.read_text())
-    state.setdefault("started_at", _now())
+    state.setdefault("started_at", now_iso())
     clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
 
     def save_clock() -> None:
@@ -263,33 +265,44 @@ def run_cell(
         write_json_atomic(cell_file, state)
 
     if missing:
-        _log(log, f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}")
-
-        def stream(_label: str, traj: Trajectory) -> None:
-            traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
-            append_jsonl(traj_path, [jsonable(traj.to_dict())])
-            save_clock()
-            score = traj.info.get("progression", traj.info.get("score"))
-            _log(log, f"episode task={traj.info['eval_task']} env_seed={traj.seed} score={score}")
-            if on_episode is not None:
-                on_episode(cell, traj)
-
-        play(
-            cell.model,
-            cell.env,
-            tasks=cell.tasks,
-            compaction=cell.compaction,
-            sampling=cell.sampling,
-            prompt=cell.prompt,
-            seeds=plan,
-            batch=cell.batch,
-            env_kwargs=cell.env_kwargs,
-            backend=backend,
-            progress=progress,
-            policy=cell.policy,
-            on_episode=stream,
-            desc=cell.key,
+        log_line(
+            log, f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}"
         )
+
+        def write(line: dict[str, Any], episode: Any) -> None:
+            append_jsonl(traj_path, [line])
+            save_clock()
+            score = line["info"].get("progression", line["info"].get("score"))
+            log_line(log, f"episode task={line['info']['eval_task']} env_seed={line['seed']} score={score}")
+            if on_episode is not None:
+                on_episode(cell, episode)
+
+        if cell.trainer is not None:
+            from compaction_gym.leaderboard import sb3
+
+            sb3.play_cell(cell, plan, directory, lambda d: write(d, d), lambda m: log_line(log, m))
+        else:
+
+            def stream(_label: str, traj: Trajectory) -> None:
+                traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
+                write(jsonable(traj.to_dict()), traj)
+
+            play(
+                cell.model,
+                cell.env,
+                tasks=cell.tasks,
+                compaction=cell.compaction,
+                sampling=cell.sampling,
+                prompt=cell.prompt,
+                seeds=plan,
+                batch=cell.batch,
+                env_kwargs=cell.env_kwargs,
+                backend=backend,
+                progress=progress,
+                policy=cell.policy,
+                on_episode=stream,
+                desc=cell.key,
+            )
     trajectories = read_episodes(traj_path, episode_key)
     # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
     wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
@@ -305,10 +318,14 @@ def run_cell(
         return record_path  # nothing new: the record stands as it is
     if not trajectories:
         raise InvalidArgumentError(f"{directory}: no episodes to make a record of")
+    if cell.trainer is not None:
+        from compaction_gym.leaderboard import sb3
+
+        model = sb3.model_block(directory)
     save_clock()
     prov = {
         "started_at": state["started_at"],
-        "finished_at": _now(),
+        "finished_at": now_iso(),
         "wall_time_s": state["wall_time_s"],
         **provenance(),
         "hardware": hardware(backend),
@@ -320,7 +337,9 @@ def run_cell(
     if errors:
         raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
     write_json_atomic(record_path, record)
-    _log(log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}")
+    log_line(
+        log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}"
+    )
     return record_path
 
 
@@ -351,9 +370,10 @@ def run_suite(
             are incomplete and fail ``check`` until a full run resumes them).
     """
     cells, run_seeds = select_cells(suite, methods, budgets, seeds)
-    model = model_block(suite.cells[0].model)
-    if backend is None:
-        backend = load_suite_backend(cells, model["resolved"], engine_kwargs)
+    llm = [c for c in cells if c.trainer is None]
+    model = model_block(llm[0].model) if llm else {}
+    if backend is None and llm:
+        backend = load_suite_backend(llm, model["resolved"], engine_kwargs)
     written = [
         run_cell(
             suite,
@@ -374,7 +394,7 @@ def run_suite(
 
 
 def load_suite_backend(cells: Sequence[Cell], resolved: str, engine_kwargs: dict[str, Any] | None) -> Any:
-    """The backend the cells run on: the suite's capacity, as many slots as the largest ``batch``."""
+    """The backend the (LLM) cells run on: the suite's capacity, as many slots as the largest ``batch``."""
     kwargs = dict(engine_kwargs or {})
     if cells[0].capacity:
         kwargs.setdefault("capacity", cells[0].capacity)
@@ -392,7 +412,7 @@ def attach_comparisons(suite: Suite, output: str | Path) -> None:
     if baseline is None:
         return
     for cell in suite.cells:
-        if cell.compaction.mode == "none":
+        if cell.key == base.key:
             continue
         path = cell_dir(output, cell) / RECORD_FILE
         record = load_record(path)
