@@ -69,6 +69,12 @@ def register(subparsers: Any) -> None:
         "--format", choices=("md", "html"), default="md", help="page format (default: %(default)s)"
     )
     show.add_argument("--output", help="where the page and PNGs go (default: the records root)")
+    show.add_argument(
+        "--update-doc",
+        metavar="DOC",
+        help="rewrite the generated block of a markdown page (e.g. docs/leaderboard.md) with the tables, "
+        "plots going to --output (default: DOC's folder/img/leaderboard)",
+    )
     show.set_defaults(func=main_show)
     check = sub.add_parser("check", help="verify every record's compliance (writes compliance.json)")
     check.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
@@ -137,7 +143,26 @@ def main_cells(args: argparse.Namespace) -> int:
 
 
 def main_show(args: argparse.Namespace) -> int:
-    from compaction_gym.leaderboard.report import show
+    from pathlib import Path
+
+    from compaction_gym.leaderboard.report import doc_section, show, update_doc
+
+    if args.update_doc:
+        if args.format != "md":
+            print("compaction-gym leaderboard show: --update-doc needs --format md", file=sys.stderr)
+            return 2
+        img = Path(args.output) if args.output else Path(args.update_doc).parent / "img" / "leaderboard"
+        try:
+            section, plots = doc_section(args.records, args.update_doc, img)
+            update_doc(args.update_doc, section)
+        except CompactionGymError as exc:
+            print(f"compaction-gym leaderboard show: {exc}", file=sys.stderr)
+            return 2
+        print(section)
+        for p in plots:
+            print(f"wrote {p}", file=sys.stderr)
+        print(f"updated {args.update_doc}", file=sys.stderr)
+        return 0
 
     page, plots = show(args.records, args.output, args.format)
     print(page if args.format == "md" else f"wrote leaderboard.html ({len(page)} bytes)")
