@@ -96,14 +96,16 @@ def _worker(
 
 
 def schedule(suite: Suite, cells: Sequence[Any], plans: dict[str, int]) -> list[str]:
-    """Cell keys in the order workers take them: ``none`` first, then by episodes to play and
-    smaller budgets first (they take more turns), cells with nothing to play last."""
-
+    """Cell keys in the order workers take them: ``none`` first, then agents trained outside the
+    engine (``sb3_ppo``: their training is not checkpointed, so it starts at the beginning of a
+    time-limited call), then by episodes to play and smaller budgets first (they take more turns);
+    cells with nothing to play last."""
     base = suite.baseline
 
-    def order(cell: Any) -> tuple[bool, int, int]:
+    def order(cell: Any) -> tuple[bool, bool, int, int]:
         return (
             base is None or cell.key != base.key,
+            cell.trainer is None,
             -plans[cell.key],
             cell.budget.max_kv_len or 0,
         )

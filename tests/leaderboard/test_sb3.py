@@ -183,3 +183,13 @@ def test_show_lists_the_sb3_row_without_kv(sb3_records, tmp_path):
     row = next(line for line in page.splitlines() if "| sb3_ppo |" in line)
     assert row.count("n/a") == 6  # max KV, peak, mean KV, kept, compression, tokens
     assert {p.name for p in plots} == {"tiny_budget.png", "tiny_compression.png"}
+
+
+def test_parallel_schedule_starts_training_right_after_none(sb3_suite):
+    from compaction_gym.leaderboard.parallel import schedule
+    from compaction_gym.leaderboard.runner import select_cells
+
+    suite = load_suite(sb3_suite)
+    cells, _ = select_cells(suite)
+    plans = {"none/full": 1, "attention_matching/r0.5": 9, "sb3_ppo/full": 1}
+    assert schedule(suite, cells, plans) == ["none/full", "sb3_ppo/full", "attention_matching/r0.5"]
