@@ -111,6 +111,21 @@ INSTRUCTION = (
     "only: a single word or number, no sentence."
 )
 ACK = "Reply with OK."
+#: How an answer is scored: ``exact`` (its first line, normalised, is the value) or ``first_value``
+#: (the first of the episode's fact values that the reply names, as a whole word, is the asked one).
+MATCH_MODES: tuple[str, ...] = ("exact", "first_value")
+
+
+def first_value(reply: str, values: list[str]) -> str | None:
+    """The value among ``values`` that ``reply`` names first (case-insensitive, whole words), or
+    ``None``: a reply that recites every fact is credited only for the fact it names first."""
+    best: tuple[int, str] | None = None
+    low = reply.lower()
+    for value in dict.fromkeys(values):
+        m = re.search(r"(?<!\w)" + re.escape(value.lower()) + r"(?!\w)", low)
+        if m and (best is None or m.start() < best[0]):
+            best = (m.start(), value)
+    return None if best is None else best[1]
 
 
 def normalize(text: str) -> str:
@@ -139,7 +154,9 @@ class RecallEnv(gym.Env[str, str]):
     ``question``.
 
     ## Rewards
-    ``1 / n_questions`` for each answer whose :func:`normalize` equals the fact's value.
+    ``1 / n_questions`` for each correct answer: with ``match="exact"`` its :func:`normalize`
+    equals the fact's value; with ``match="first_value"`` the first fact value it names is the
+    asked one (a small chat model answers in sentences: "The code of locker 95 is 9029.").
     ``info["score"]`` (at the end) is the fraction correct; ``info["answers"]`` lists
     ``{question, expected, given, correct}``.
 
@@ -149,6 +166,7 @@ class RecallEnv(gym.Env[str, str]):
     ## Arguments
     * ``preset``: one of :data:`PRESETS` (overrides the three sizes below).
     * ``n_facts`` (1–12), ``n_filler`` (>= 0), ``filler_sentences`` (>= 1).
+    * ``match``: ``exact`` (default) or ``first_value`` (:data:`MATCH_MODES`, :func:`first_value`).
     * ``max_text_length``: ``max_length`` of the two ``Text`` spaces.
 
     ## Version History
@@ -164,8 +182,12 @@ class RecallEnv(gym.Env[str, str]):
         n_facts: int = 4,
         n_filler: int = 6,
         filler_sentences: int = 8,
+        match: str = "exact",
         max_text_length: int = 32_768,
     ) -> None:
+        if match not in MATCH_MODES:
+            raise InvalidArgumentError(f"match must be one of {list(MATCH_MODES)}, got {match!r}")
+        self.match = match
         if preset is not None:
             if preset not in PRESETS:
                 raise InvalidArgumentError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -247,7 +269,10 @@ class RecallEnv(gym.Env[str, str]):
         reward = 0.0
         if self._turn > self.n_filler:
             fact = self._facts[self._order[self._turn - self.n_filler - 1]]
-            correct = normalize(action) == normalize(fact["value"])
+            if self.match == "exact":
+                correct = normalize(action) == normalize(fact["value"])
+            else:
+                correct = first_value(action, [f["value"] for f in self._facts]) == fact["value"]
             self._answers.append(
                 {"question": fact["question"], "expected": fact["value"], "given": action, "correct": correct}
             )

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.agents.trajectory import Trajectory
 from compaction_gym.atomic import write_atomic
-from compaction_gym.leaderboard.record import episode_row
+from compaction_gym.leaderboard.record import episode_rows
 
 AUDIT_FILE = "audit.jsonl.gz"
 
@@ -32,11 +31,13 @@ def audit_entry(d: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     return {
         "row": row,
         "seed": int(d["seed"]),
-        "prompt_len": int(d["prompt_len"]),
+        "prompt_len": int(d.get("prompt_len", 0)),
         "info": {"eval_task_requested": d["info"].get("eval_task_requested")},
+        # an agent without a KV cache (the sb3 reference row) has no turns to audit
         "turns": [
             {"input_range": list(t["input_range"]), "peak_kv_len": int(t["peak_kv_len"])}
-            for t in d["turns"]
+            for t in d.get("turns", [])
+            if isinstance(t, dict) and "input_range" in t
         ],
         "events": [{k: ev.get(k) for k in EVENT_FIELDS} for ev in d.get("events", [])],
     }
@@ -64,6 +65,8 @@ def row_failures(entry: dict[str, Any]) -> list[str]:
     """An audit line whose row disagrees with its own turns and events."""
     row, out = entry["row"], []
     where = f"env_seed {entry['seed']}"
+    if row.get("peak_kv") is None:  # no KV cache (sb3): nothing to cross-check but the seed
+        return [f"{where}: row env_seed {row['env_seed']} != the episode's seed"] if row["env_seed"] != entry["seed"] else []
     peak = max([entry["prompt_len"], *(t["peak_kv_len"] for t in entry["turns"])])
     if row["peak_kv"] != peak:
         out.append(f"{where}: row peak_kv {row['peak_kv']} != the turns' peak {peak}")
@@ -77,4 +80,5 @@ def row_failures(entry: dict[str, Any]) -> list[str]:
 
 
 def rows_from_trajectories(trajectories: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [episode_row(Trajectory.from_dict(d)) for d in trajectories]
+    """The record rows of trajectories-file lines (engine trajectories or sb3 episodes)."""
+    return episode_rows(trajectories)

@@ -39,6 +39,19 @@ def register(subparsers: Any) -> None:
     run.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     run.add_argument("--dtype", help="weights/cache dtype (default: float32 on CPU, checkpoint dtype on GPU)")
     run.add_argument("--capacity", type=int, help="KV rows per session slot (default: engine's)")
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes sharing the device, one cell each at a time, 1 torch thread each "
+        "(default: %(default)s: in this process)",
+    )
+    run.add_argument(
+        "--time-limit",
+        type=float,
+        help="stop the workers after this many seconds, pair the finished records and exit 3 "
+        "(re-run to resume; runs in worker processes even with --jobs 1)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument(
         "--no-tensorboard",
@@ -46,12 +59,27 @@ def register(subparsers: Any) -> None:
         help="write no TensorBoard event files (default: OUTPUT/tensorboard/SUITE/METHOD/BUDGET per cell)",
     )
     run.set_defaults(func=main_run)
+    cells = sub.add_parser("cells", help="list a run's cells: episodes planned, on disk, to play, time left")
+    cells.add_argument("suite", help="suite name or TOML path")
+    cells.add_argument("--methods", nargs="+", help="methods (default: all)")
+    cells.add_argument("--budgets", nargs="+", help="budget labels (default: all)")
+    cells.add_argument("--seeds", nargs="+", type=int, help="a subset of the suite's seeds")
+    cells.add_argument("--limit-episodes", type=int, help="as for run")
+    cells.add_argument("--output", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
+    cells.add_argument("--jobs", type=int, default=1, help="workers the time estimate assumes")
+    cells.set_defaults(func=main_cells)
     show = sub.add_parser("show", help="ranked tables and plots of the records")
     show.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
     show.add_argument(
         "--format", choices=("md", "html"), default="md", help="page format (default: %(default)s)"
     )
     show.add_argument("--output", help="where the page and PNGs go (default: the records root)")
+    show.add_argument(
+        "--update-doc",
+        metavar="DOC",
+        help="rewrite the generated block of a markdown page (e.g. docs/leaderboard.md) with the tables, "
+        "plots going to --output (default: DOC's folder/img/leaderboard)",
+    )
     show.set_defaults(func=main_show)
     check = sub.add_parser("check", help="verify every record's compliance (writes compliance.json)")
     check.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
@@ -59,6 +87,7 @@ def register(subparsers: Any) -> None:
 
 
 def main_run(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.parallel import RunIncomplete, run_suite_parallel
     from compaction_gym.leaderboard.runner import run_suite
     from compaction_gym.leaderboard.suite import load_suite
 
@@ -68,17 +97,35 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         check_output_dir(args.output, "--output")
         suite = load_suite(args.suite)
-        paths = run_suite(
-            suite,
-            methods=args.methods,
-            budgets=args.budgets,
-            seeds=args.seeds,
-            output=args.output,
-            engine_kwargs=engine,
-            progress=not args.no_progress,
-            limit_episodes=args.limit_episodes,
-            tensorboard=not args.no_tensorboard,
-        )
+        if args.jobs != 1 or args.time_limit is not None:
+            paths = run_suite_parallel(
+                suite,
+                jobs=args.jobs,
+                time_limit=args.time_limit,
+                methods=args.methods,
+                budgets=args.budgets,
+                seeds=args.seeds,
+                output=args.output,
+                engine_kwargs=engine,
+                progress=not args.no_progress,
+                limit_episodes=args.limit_episodes,
+                tensorboard=not args.no_tensorboard,
+            )
+        else:
+            paths = run_suite(
+                suite,
+                methods=args.methods,
+                budgets=args.budgets,
+                seeds=args.seeds,
+                output=args.output,
+                engine_kwargs=engine,
+                progress=not args.no_progress,
+                limit_episodes=args.limit_episodes,
+                tensorboard=not args.no_tensorboard,
+            )
+    except RunIncomplete as exc:
+        print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
+        return 3
     except CompactionGymError as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
         return 2
@@ -87,8 +134,42 @@ def main_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_cells(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.plan import cell_plan, format_plan
+    from compaction_gym.leaderboard.runner import select_cells
+    from compaction_gym.leaderboard.suite import load_suite
+
+    try:
+        suite = load_suite(args.suite)
+        cells, run_seeds = select_cells(suite, args.methods, args.budgets, args.seeds)
+    except CompactionGymError as exc:
+        print(f"compaction-gym leaderboard cells: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(cell_plan(cells, run_seeds, args.output, args.limit_episodes), args.jobs))
+    return 0
+
+
 def main_show(args: argparse.Namespace) -> int:
-    from compaction_gym.leaderboard.report import show
+    from pathlib import Path
+
+    from compaction_gym.leaderboard.report import doc_section, show, update_doc
+
+    if args.update_doc:
+        if args.format != "md":
+            print("compaction-gym leaderboard show: --update-doc needs --format md", file=sys.stderr)
+            return 2
+        img = Path(args.output) if args.output else Path(args.update_doc).parent / "img" / "leaderboard"
+        try:
+            section, plots = doc_section(args.records, args.update_doc, img)
+            update_doc(args.update_doc, section)
+        except CompactionGymError as exc:
+            print(f"compaction-gym leaderboard show: {exc}", file=sys.stderr)
+            return 2
+        print(section)
+        for p in plots:
+            print(f"wrote {p}", file=sys.stderr)
+        print(f"updated {args.update_doc}", file=sys.stderr)
+        return 0
 
     page, plots = show(args.records, args.output, args.format)
     print(page if args.format == "md" else f"wrote leaderboard.html ({len(page)} bytes)")

@@ -124,7 +124,7 @@ def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[
         return []
     from compaction_gym.leaderboard.record import comparison
 
-    base = next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    base = suite.baseline
     base_path = path.parents[2] / base.method / base.budget.label / RECORD_FILE if base is not None else None
     if base_path is None or not base_path.exists():
         return ["comparison_vs_none: the none record it was computed against is missing"]

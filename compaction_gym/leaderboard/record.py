@@ -64,6 +64,26 @@ def episode_row(traj: Trajectory) -> dict[str, Any]:
     }
 
 
+def episode_rows(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record rows of trajectories-file lines: an engine ``Trajectory`` each, or an sb3
+    episode (``kind = "sb3_ppo"``: no tokens or KV)."""
+    out = []
+    for d in lines:
+        if d.get("kind") == "sb3_ppo":
+            from compaction_gym.leaderboard.sb3 import episode_row as sb3_row
+
+            out.append(sb3_row(d))
+        else:
+            out.append(episode_row(Trajectory.from_dict(d)))
+    return out
+
+
+def _mean_or_none(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over ``rows``; ``None`` when any row has none (an agent without a KV cache)."""
+    xs = [r[key] for r in rows]
+    return None if any(x is None for x in xs) else mean(xs)
+
+
 def _balrog(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> dict[str, Any]:
     """BALROG statistics: per task mean ± population SE; overall the mean of task means,
     SE √(Σ SE²)/n_tasks."""
@@ -103,23 +123,26 @@ def results(cell: Cell, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     pooled = _balrog(rows, labels)
     per_seed = [{"seed": s, **_balrog([r for r in rows if r["seed"] == s], labels)} for s in cell.seeds]
     seed_scores = [p["score"]["mean"] for p in per_seed]
+    no_kv = any(r["peak_kv"] is None for r in rows)
+    kv = None if no_kv else {
+        "peak_max": max((r["peak_kv"] for r in rows), default=0),
+        "peak_mean": mean([r["peak_kv"] for r in rows]),
+        "mean_mean": mean([r["mean_kv"] for r in rows]),
+        "budget": cell.budget.max_kv_len,
+        "kv_retained_mean": mean([r["kv_retained"] for r in rows]),
+        "compression_ratio": 1.0 - mean([r["kv_retained"] for r in rows]),
+    }  # fmt: skip
+    tokens = None if any(r["tokens"] is None for r in rows) else {
+        "mean": mean([r["tokens"] for r in rows]),
+        "generated_mean": _mean_or_none(rows, "generated_tokens"),
+        "total": sum(r["tokens"] for r in rows),
+    }  # fmt: skip
     return {
         **pooled,
         "per_seed": per_seed,
         "across_seeds": {"mean": mean(seed_scores), "se": sample_se(seed_scores), "n": len(seed_scores)},
-        "kv": {
-            "peak_max": max((r["peak_kv"] for r in rows), default=0),
-            "peak_mean": mean([r["peak_kv"] for r in rows]),
-            "mean_mean": mean([r["mean_kv"] for r in rows]),
-            "budget": cell.budget.max_kv_len,
-            "kv_retained_mean": mean([r["kv_retained"] for r in rows]),
-            "compression_ratio": 1.0 - mean([r["kv_retained"] for r in rows]),
-        },
-        "tokens": {
-            "mean": mean([r["tokens"] for r in rows]),
-            "generated_mean": mean([r["generated_tokens"] for r in rows]),
-            "total": sum(r["tokens"] for r in rows),
-        },
+        "kv": kv,
+        "tokens": tokens,
         "turns_mean": mean([r["turns"] for r in rows]),
         "compaction_events_mean": mean([r["compaction_events"] for r in rows]),
         "aborted": sum(1 for r in rows if r["aborted"]),

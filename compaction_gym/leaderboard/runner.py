@@ -23,13 +23,15 @@ from typing import Any
 from compaction_gym.agents.evaluate import load_backend, play
 from compaction_gym.agents.trajectory import Trajectory, jsonable
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.leaderboard.audit import AUDIT_FILE, audit_entries, rows_from_trajectories, write_audit
+from compaction_gym.leaderboard.audit import AUDIT_FILE, audit_entries, write_audit
+from compaction_gym.leaderboard.plan import CELL_FILE
 from compaction_gym.leaderboard.record import (
     LOG_FILE,
     RECORD_FILE,
     RECORD_SCHEMA,
     TRAJECTORIES_FILE,
     comparison,
+    episode_rows,
     results,
     schema_errors,
     seal,
@@ -47,8 +49,6 @@ from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, Cell, Suite
 from compaction_gym.models.registry import resolve_model
 from compaction_gym.provenance import provenance
 
-CELL_FILE = "cell.json"
-
 
 def cell_dir(output: str | Path, cell: Cell) -> Path:
     return Path(output) / cell.suite / cell.method / cell.budget.label
@@ -59,13 +59,14 @@ def episode_key(d: dict[str, Any]) -> tuple[str, int]:
     return str(d["info"].get("eval_task_requested")), int(d["seed"])
 
 
-def _now() -> str:
+def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def _log(path: Path, message: str) -> None:
+def log_line(path: Path, message: str) -> None:
+    """Append a timestamped line to a cell's ``run.log``."""
     with path.open("a") as fh:
-        fh.write(f"{_now()} {message}\n")
+        fh.write(f"{now_iso()} {message}\n")
 
 
 def hardware(backend: Any) -> dict[str, Any]:
@@ -118,7 +119,7 @@ def build_record(
     prov: dict[str, Any],
 ) -> dict[str, Any]:
     """The sealed record of a finished cell (its comparison is attached by :func:`attach_comparisons`)."""
-    rows = rows_from_trajectories(trajectories)
+    rows = episode_rows(trajectories)
     res = results(cell, rows)
     traj_path = directory / TRAJECTORIES_FILE
     audit_path = directory / AUDIT_FILE
@@ -150,41 +151,25 @@ def build_record(
 
 
 def baseline_cell(suite: Suite) -> Cell | None:
-    """The suite's full-KV cell (the first method with mode ``none``)."""
-    return next((c for c in suite.cells if c.compaction.mode == "none"), None)
+    """The suite's full-KV cell (:attr:`Suite.baseline`)."""
+    return suite.baseline
 
 
 def load_record(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def run_suite(
+def select_cells(
     suite: Suite,
-    *,
     methods: Sequence[str] | None = None,
     budgets: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
-    output: str | Path = DEFAULT_OUTPUT,
-    backend: Any = None,
-    engine_kwargs: dict[str, Any] | None = None,
-    progress: bool = True,
-    on_episode: Callable[[Cell, Trajectory], None] | None = None,
-    limit_episodes: int | None = None,
-    tensorboard: bool = True,
-) -> list[Path]:
-    """Play every selected cell of ``suite`` (resuming), write its record; returns the record paths.
+) -> tuple[list[Cell], list[int]]:
+    """The cells a run plays (the ``none`` baseline first) and the run seeds.
 
-    Args:
-        methods: method names to run (default all); the ``none`` baseline runs first when selected.
-        budgets: budget labels to run (``kv1024``, ``r0.25``; default all; ``full`` always runs).
-        seeds: a subset of the suite's seeds (a record is complete only with all of them).
-        output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
-        backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
-        on_episode: called after each episode is on disk (tests use it to interrupt a run).
-        limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
-            are incomplete and fail ``check`` until a full run resumes them).
-        tensorboard: log each cell's episodes, events and results to TensorBoard under
-            ``OUTPUT/tensorboard/SUITE/METHOD/BUDGET`` (:func:`tensorboard_dir`; docs/tensorboard.md).
+    Raises:
+        InvalidArgumentError: an unknown method (``--methods``), budget label (``--budgets``) or
+            seed (``--seeds``), or a selection with no cell.
     """
     known = suite.methods
     chosen = list(methods) if methods else known
@@ -207,79 +192,111 @@ def run_suite(
     ]
     if not cells:
         raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
-    cells.sort(key=lambda c: c.compaction.mode != "none")  # the baseline first
-    model = model_block(suite.cells[0].model)
-    if backend is None:
-        engine_kwargs = dict(engine_kwargs or {})
-        if cells[0].capacity:
-            engine_kwargs.setdefault("capacity", cells[0].capacity)
-        backend, _ = load_backend(model["resolved"], max(c.batch for c in cells), engine_kwargs)
-    written: list[Path] = []
-    for n, cell in enumerate(cells, 1):
-        directory = cell_dir(output, cell)
-        directory.mkdir(parents=True, exist_ok=True)
-        log = directory / LOG_FILE
-        cell_file = directory / CELL_FILE
-        if cell_file.exists():
-            previous = json.loads(cell_file.read_text())
-            if previous["config_sha256"] != cell.config_sha256():
-                raise InvalidArgumentError(
-                    f"{directory}: its episodes were run with another config (hash "
-                    f"{previous['config_sha256'][:12]}, suite now {cell.config_sha256()[:12]}); "
-                    "use another --output or delete that directory"
-                )
-        else:
-            write_json_atomic(cell_file, {"config": cell.config(), "config_sha256": cell.config_sha256()})
-        traj_path = directory / TRAJECTORIES_FILE
-        done = read_episodes(traj_path, episode_key)
-        have = {episode_key(d) for d in done}
-        plan = {
-            t: [e for s in run_seeds for e in cell.env_seeds(s)[:limit_episodes] if (str(t), e) not in have]
-            for t in cell.tasks
-        }
-        missing = sum(len(v) for v in plan.values())
+    base = suite.baseline
+    cells.sort(key=lambda c: base is None or c.key != base.key)  # the baseline first
+    return cells, run_seeds
+
+
+def prepare_cell(output: str | Path, cell: Cell) -> Path:
+    """Create the cell's directory and ``cell.json`` (its config hash); returns the directory.
+
+    Raises:
+        InvalidArgumentError: the directory holds episodes of another config.
+    """
+    directory = cell_dir(output, cell)
+    directory.mkdir(parents=True, exist_ok=True)
+    cell_file = directory / CELL_FILE
+    if cell_file.exists():
+        previous = json.loads(cell_file.read_text())
+        if previous["config_sha256"] != cell.config_sha256():
+            raise InvalidArgumentError(
+                f"{directory}: its episodes were run with another config (hash "
+                f"{previous['config_sha256'][:12]}, suite now {cell.config_sha256()[:12]}); "
+                "use another --output or delete that directory"
+            )
+    else:
+        write_json_atomic(cell_file, {"config": cell.config(), "config_sha256": cell.config_sha256()})
+    return directory
+
+
+def episode_plan(
+    cell: Cell, run_seeds: Sequence[int], have: set[tuple[str, int]], limit_episodes: int | None = None
+) -> dict[str | None, list[int]]:
+    """``{task: env seeds}`` still to play: the run seeds' episodes (the first ``limit_episodes``
+    of each) not in ``have``."""
+    return {
+        t: [e for s in run_seeds for e in cell.env_seeds(s)[:limit_episodes] if (str(t), e) not in have]
+        for t in cell.tasks
+    }
+
+
+def run_cell(
+    suite: Suite,
+    cell: Cell,
+    *,
+    run_seeds: Sequence[int],
+    output: str | Path,
+    backend: Any,
+    model: dict[str, Any],
+    progress: bool = True,
+    on_episode: Callable[[Cell, Trajectory], None] | None = None,
+    limit_episodes: int | None = None,
+    label: str = "",
+    run_info: dict[str, Any] | None = None,
+    tensorboard: bool = True,
+) -> Path:
+    """Play the missing episodes of one cell (resuming) and write its record; returns its path.
+
+    ``run_info`` is added to the record's provenance as ``run`` (e.g. ``{"jobs": 4}``). With
+    ``tensorboard`` the cell's episodes, events and results are logged under
+    ``OUTPUT/tensorboard/SUITE/METHOD/BUDGET`` (:func:`tensorboard_dir`; docs/tensorboard.md).
+    """
+    directory = prepare_cell(output, cell)
+    log = directory / LOG_FILE
+    cell_file = directory / CELL_FILE
+    traj_path = directory / TRAJECTORIES_FILE
+    done = read_episodes(traj_path, episode_key)
+    plan = episode_plan(cell, run_seeds, {episode_key(d) for d in done}, limit_episodes)
+    missing = sum(len(v) for v in plan.values())
+    if progress or label:
         print(
-            f"[{n}/{len(cells)}] {suite.name} {cell.key}: {len(done)} episodes on disk, {missing} to play",
+            f"{label}{suite.name} {cell.key}: {len(done)} episodes on disk, {missing} to play",
             file=sys.stderr,
         )
-        started_at = _now()
-        state = json.loads(cell_file.read_text())
-        state.setdefault("started_at", started_at)
-        clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
+    state = json.loads(cell_file.read_text())
+    state.setdefault("started_at", now_iso())
+    clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
 
-        def save_clock(
-            state: dict[str, Any] = state, clock: dict[str, float] = clock, cell_file: Path = cell_file
-        ) -> None:
-            """Wall time of every invocation that played episodes, kept across interruptions."""
-            state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
-            write_json_atomic(cell_file, state)
+    def save_clock() -> None:
+        """Wall time of every invocation that played episodes, kept across interruptions."""
+        state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
+        write_json_atomic(cell_file, state)
 
-        tb = _cell_logger(output, cell, done) if tensorboard and missing else None
-        if missing:
-            _log(
-                log,
-                f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}",
-            )
+    tb = _cell_logger(output, cell, done) if tensorboard and missing and cell.trainer is None else None
+    if missing:
+        log_line(
+            log, f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}"
+        )
 
-            def stream(
-                _label: str,
-                traj: Trajectory,
-                cell: Cell = cell,
-                log: Path = log,
-                traj_path: Path = traj_path,
-                tb: Any = tb,
-            ) -> None:
+        def write(line: dict[str, Any], episode: Any) -> None:
+            append_jsonl(traj_path, [line])
+            save_clock()
+            score = line["info"].get("progression", line["info"].get("score"))
+            log_line(log, f"episode task={line['info']['eval_task']} env_seed={line['seed']} score={score}")
+            if on_episode is not None:
+                on_episode(cell, episode)
+
+        if cell.trainer is not None:
+            from compaction_gym.leaderboard import sb3
+
+            sb3.play_cell(cell, plan, directory, lambda d: write(d, d), lambda m: log_line(log, m))
+        else:
+
+            def stream(_label: str, traj: Trajectory) -> None:
                 traj.info["leaderboard_seed"] = cell.run_seed(int(traj.seed))
-                append_jsonl(traj_path, [jsonable(traj.to_dict())])
-                save_clock()
+                write(jsonable(traj.to_dict()), traj)
                 if tb is not None:
                     tb.log_episode(traj)
-                _log(
-                    log,
-                    f"episode task={traj.info['eval_task']} env_seed={traj.seed} score={traj.info.get('progression', traj.info.get('score'))}",
-                )
-                if on_episode is not None:
-                    on_episode(cell, traj)
 
             try:
                 _play_cell(cell, plan, backend, progress, stream)
@@ -287,45 +304,112 @@ def run_suite(
                 if tb is not None:
                     tb.close()
                 raise
-        trajectories = read_episodes(traj_path, episode_key)
-        # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
-        wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
-        trajectories = [d for d in trajectories if episode_key(d) in wanted]
-        previous_record = load_record(directory / RECORD_FILE)
-        if (
-            not missing
-            and previous_record is not None
-            and previous_record.get("config_sha256") == cell.config_sha256()
-            and previous_record["files"]["trajectories"]["sha256"] == sha256_file(traj_path)
-            and "audit" in previous_record["files"]
-            and (directory / AUDIT_FILE).exists()
-        ):
-            written.append(directory / RECORD_FILE)  # nothing new: the record stands as it is
-            continue
-        save_clock()
-        prov = {
-            "started_at": state["started_at"],
-            "finished_at": _now(),
-            "wall_time_s": state["wall_time_s"],
-            **provenance(),
-            "hardware": hardware(backend),
-            "argv": sys.argv,
-        }
-        record = build_record(suite, cell, directory, trajectories, model=model, prov=prov)
-        errors = schema_errors(record)
-        if errors:
-            raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
-        write_json_atomic(directory / RECORD_FILE, record)
-        if tb is not None:
-            tb.log_histograms([Trajectory.from_dict(d) for d in trajectories], step=0)
-            tb.log_scalars(record_scalars(record["results"]), step=0, prefix="summary/")
-            tb.close()
-        _log(
-            log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}"
+    trajectories = read_episodes(traj_path, episode_key)
+    # every episode of the suite's seeds on disk (a --seeds subset never shrinks a record)
+    wanted = {(str(t), e) for t in cell.tasks for s in cell.seeds for e in cell.env_seeds(s)}
+    trajectories = [d for d in trajectories if episode_key(d) in wanted]
+    record_path = directory / RECORD_FILE
+    previous_record = load_record(record_path)
+    if (
+        not missing
+        and previous_record is not None
+        and previous_record.get("config_sha256") == cell.config_sha256()
+        and previous_record["files"]["trajectories"]["sha256"] == sha256_file(traj_path)
+        and "audit" in previous_record["files"]
+        and (directory / AUDIT_FILE).exists()
+    ):
+        return record_path  # nothing new: the record stands as it is
+    if not trajectories:
+        raise InvalidArgumentError(f"{directory}: no episodes to make a record of")
+    if cell.trainer is not None:
+        from compaction_gym.leaderboard import sb3
+
+        model = sb3.model_block(directory)
+    save_clock()
+    prov = {
+        "started_at": state["started_at"],
+        "finished_at": now_iso(),
+        "wall_time_s": state["wall_time_s"],
+        **provenance(),
+        "hardware": hardware(backend),
+        "argv": sys.argv,
+        "run": {"jobs": 1, **(run_info or {})},
+    }
+    record = build_record(suite, cell, directory, trajectories, model=model, prov=prov)
+    errors = schema_errors(record)
+    if errors:
+        raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
+    write_json_atomic(record_path, record)
+    if tb is not None:
+        tb.log_histograms([Trajectory.from_dict(d) for d in trajectories], step=0)
+        tb.log_scalars(record_scalars(record["results"]), step=0, prefix="summary/")
+        tb.close()
+    log_line(
+        log, f"record {cell.key} score={record['results']['score']['mean']} episodes={len(trajectories)}"
+    )
+    return record_path
+
+
+def run_suite(
+    suite: Suite,
+    *,
+    methods: Sequence[str] | None = None,
+    budgets: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    output: str | Path = DEFAULT_OUTPUT,
+    backend: Any = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    progress: bool = True,
+    on_episode: Callable[[Cell, Trajectory], None] | None = None,
+    limit_episodes: int | None = None,
+    tensorboard: bool = True,
+) -> list[Path]:
+    """Play every selected cell of ``suite`` (resuming) in this process, write its record, then pair
+    every record with ``none``; returns the record paths (:mod:`.parallel` runs cells in workers).
+
+    Args:
+        methods: method names to run (default all); the ``none`` baseline runs first when selected.
+        budgets: budget labels to run (``kv1024``, ``r0.25``; default all; ``full`` always runs).
+        seeds: a subset of the suite's seeds (a record is complete only with all of them).
+        output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
+        backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
+        on_episode: called after each episode is on disk (tests use it to interrupt a run).
+        limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
+            are incomplete and fail ``check`` until a full run resumes them).
+        tensorboard: log each cell to TensorBoard (see :func:`run_cell`).
+    """
+    cells, run_seeds = select_cells(suite, methods, budgets, seeds)
+    llm = [c for c in cells if c.trainer is None]
+    model = model_block(llm[0].model) if llm else {}
+    if backend is None and llm:
+        backend = load_suite_backend(llm, model["resolved"], engine_kwargs)
+    written = [
+        run_cell(
+            suite,
+            cell,
+            run_seeds=run_seeds,
+            output=output,
+            backend=backend,
+            model=model,
+            progress=progress,
+            on_episode=on_episode,
+            limit_episodes=limit_episodes,
+            label=f"[{n}/{len(cells)}] ",
+            tensorboard=tensorboard,
         )
-        written.append(directory / RECORD_FILE)
+        for n, cell in enumerate(cells, 1)
+    ]
     attach_comparisons(suite, output)
     return written
+
+
+def load_suite_backend(cells: Sequence[Cell], resolved: str, engine_kwargs: dict[str, Any] | None) -> Any:
+    """The backend the (LLM) cells run on: the suite's capacity, as many slots as the largest ``batch``."""
+    kwargs = dict(engine_kwargs or {})
+    if cells[0].capacity:
+        kwargs.setdefault("capacity", cells[0].capacity)
+    backend, _ = load_backend(resolved, max(c.batch for c in cells), kwargs)
+    return backend
 
 
 def tensorboard_dir(output: str | Path, cell: Cell) -> Path:
@@ -388,7 +472,7 @@ def attach_comparisons(suite: Suite, output: str | Path) -> None:
     if baseline is None:
         return
     for cell in suite.cells:
-        if cell.compaction.mode == "none":
+        if cell.key == base.key:
             continue
         path = cell_dir(output, cell) / RECORD_FILE
         record = load_record(path)

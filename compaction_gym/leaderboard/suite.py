@@ -26,6 +26,8 @@ SUITE_KEYS = {
     "env_kwargs", "reference_kv_len", "capacity", "sampling", "compaction", "budgets", "methods", "policy",
 }  # fmt: skip
 METHOD_KEYS = {"name", "budgets", "description"}
+#: keys of an ``agent = "sb3_ppo"`` method (the classic-RL reference row, :mod:`.sb3`).
+AGENT_METHOD_KEYS = {"name", "description", "agent", "total_timesteps", "n_envs", "ppo"}
 BUDGET_KEYS = {"max_kv_len", "kv_ratio", "compact_window", "window_fraction"}
 
 
@@ -70,6 +72,8 @@ class Cell:
     compaction: CompactionConfig
     sampling: SamplingParams
     capacity: int | None = None
+    #: an agent trained outside the engine (``{"agent": "sb3_ppo", ...}``); ``None``: the LLM
+    trainer: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -92,8 +96,10 @@ class Cell:
 
     def config(self) -> dict[str, Any]:
         """The JSON-safe configuration its ``config_sha256`` hashes (batch excluded: it does not
-        change results)."""
+        change results; ``trainer`` only for an agent trained outside the engine)."""
+        extra = {} if self.trainer is None else {"trainer": self.trainer}
         return {
+            **extra,
             "suite": self.suite,
             "method": self.method,
             "budget": self.budget.to_dict(),
@@ -136,6 +142,11 @@ class Suite:
     @property
     def methods(self) -> list[str]:
         return list(dict.fromkeys(c.method for c in self.cells))
+
+    @property
+    def baseline(self) -> Cell | None:
+        """The full-KV cell every other record pairs against: the first LLM method with mode ``none``."""
+        return next((c for c in self.cells if c.compaction.mode == "none" and c.trainer is None), None)
 
 
 def sha256_json(value: Any) -> str:
@@ -222,6 +233,9 @@ def load_suite(spec: str | Path) -> Suite:
         if method["name"] in seen:
             raise InvalidArgumentError(f"{where}: duplicate method name {method['name']!r}")
         seen.add(method["name"])
+        if "agent" in method:
+            suite.cells.append(_agent_cell(where, method, suite.name, data, tasks, episodes, seeds, sampling))
+            continue
         comp_fields = {k: v for k, v in method.items() if k not in METHOD_KEYS}
         mode = comp_fields.get("mode", "none")
         budgets = [FULL] if mode == "none" else [
@@ -259,3 +273,38 @@ def load_suite(spec: str | Path) -> Suite:
                 )
             )
     return suite
+
+
+def _agent_cell(
+    where: str,
+    method: dict[str, Any],
+    suite: str,
+    data: dict[str, Any],
+    tasks: list[str | None],
+    episodes: int,
+    seeds: list[int],
+    sampling: SamplingParams,
+) -> Cell:
+    """The cell of an agent trained outside the engine (``agent = "sb3_ppo"``): full budget, no compaction."""
+    _check_keys(where, method, AGENT_METHOD_KEYS)
+    from compaction_gym.leaderboard.sb3 import AGENT, trainer_settings
+
+    if method["agent"] != AGENT:
+        raise InvalidArgumentError(f"{where}: agent must be {AGENT!r}, got {method['agent']!r}")
+    return Cell(
+        suite=suite,
+        method=str(method["name"]),
+        budget=FULL,
+        env=str(data["env"]),
+        tasks=tasks,
+        episodes=episodes,
+        seeds=seeds,
+        model=AGENT,
+        prompt=None,
+        batch=1,
+        policy=AGENT,
+        env_kwargs=dict(data.get("env_kwargs", {})),
+        compaction=CompactionConfig(),
+        sampling=sampling,
+        trainer=trainer_settings(where, method, str(data["env"])),
+    )

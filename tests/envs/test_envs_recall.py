@@ -116,3 +116,56 @@ def test_bad_arguments_name_the_field():
         RecallEnv(n_filler=-1)
     with pytest.raises(InvalidArgumentError, match="n_facts"):
         RecallEnv(n_facts=99)
+
+
+def _values_of(facts: list[str]) -> list[str]:
+    """Each fact sentence's value, read back from the templates (independent of the env's state)."""
+    out = []
+    for fact in facts:
+        for fact_t, _q, _pool in FACT_KINDS:
+            pattern = (
+                re.escape(fact_t).replace(re.escape("{k}"), "(.+?)").replace(re.escape("{v}"), "(.+?)") + "$"
+            )
+            m = re.match(pattern, fact)
+            if m:
+                out.append(m.group(2))
+                break
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_value_credits_the_first_fact_value_named(seed):
+    env = gym.make("AttnMatch-Recall-v0", preset="standard", match="first_value")
+    # a sentence answer naming the right value first scores; one reciting another fact first does not
+    _obs, _ph, info = _play(
+        env, seed, lambda obs, facts: f"Sure. The answer is {_oracle(obs, facts)}, I think."
+    )
+    assert info["score"] == 1.0
+    obs, info = env.reset(seed=seed)
+    facts = info["facts"]
+    values = _values_of(facts)
+    assert len(values) == 4
+    terminated, answers = False, []
+    while not terminated:
+        if info["phase"] == "question":
+            right = normalize(_oracle(obs, facts))
+            other = next(v for v in values if v.lower() != right)
+            reply = f"{other.upper()} and then {right}"
+        else:
+            reply = f"OK {' '.join(values)}"  # not scored
+        obs, _r, terminated, _t, info = env.step(reply)
+        answers = info["answers"]
+    assert [a["correct"] for a in answers] == [False] * 4
+    exact = gym.make("AttnMatch-Recall-v0", preset="standard")
+    _obs, _ph, info = _play(exact, seed, lambda obs, facts: f"The answer is {_oracle(obs, facts)}.")
+    assert info["score"] == 0.0  # exact match wants the value only
+
+
+def test_first_value_whole_words_and_bad_match():
+    from compaction_gym.envs.recall import first_value
+
+    assert first_value("codes 95123 and 9512", ["9512", "95123"]) == "95123"
+    assert first_value("Porto? no: porto", ["Porto"]) == "Porto"
+    assert first_value("porton", ["Porto"]) is None
+    with pytest.raises(InvalidArgumentError, match="match must be one of"):
+        RecallEnv(match="fuzzy")
