@@ -373,7 +373,8 @@ def run_suite(
         seeds: a subset of the suite's seeds (a record is complete only with all of them).
         output: records root (``OUTPUT/SUITE/METHOD/BUDGET``).
         backend: a loaded backend to reuse (default: the suite's model, with ``batch`` slots).
-        on_episode: called after each episode is on disk (tests use it to interrupt a run).
+        on_episode: called as ``on_episode(cell, episode)`` after each episode is on disk (a
+            ``Trajectory``; for ``sb3_ppo`` the episode's line); tests use it to interrupt a run.
         limit_episodes: play only the first N episodes per task and seed (a smoke run; its records
             are incomplete and fail ``check`` until a full run resumes them).
         tensorboard: log each cell to TensorBoard (see :func:`run_cell`).

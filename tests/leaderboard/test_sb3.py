@@ -193,3 +193,18 @@ def test_parallel_schedule_starts_training_right_after_none(sb3_suite):
     cells, _ = select_cells(suite)
     plans = {"none/full": 1, "attention_matching/r0.5": 9, "sb3_ppo/full": 1}
     assert schedule(suite, cells, plans) == ["none/full", "sb3_ppo/full", "attention_matching/r0.5"]
+
+
+def test_sb3_in_worker_processes_gives_the_serial_record(sb3_records, sb3_suite, tmp_path):
+    """The sb3 cell through ``--jobs 2``: same policy (seeded, one thread, CPU) and episodes."""
+    from compaction_gym.leaderboard.parallel import run_suite_parallel
+
+    run_suite_parallel(
+        load_suite(sb3_suite), jobs=2, methods=["none", "sb3_ppo"], output=tmp_path, progress=False
+    )
+    par, ser = _record(tmp_path, "sb3_ppo/full"), _record(sb3_records, "sb3_ppo/full")
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_time_s"} for r in rows]  # noqa: E731
+    assert strip(par["results"]["episodes"]) == strip(ser["results"]["episodes"])
+    assert par["model"]["weights_sha256"].keys() == ser["model"]["weights_sha256"].keys()
+    assert par["provenance"]["run"] == {"jobs": 2}
+    assert check_record(tmp_path / "tiny" / "sb3_ppo" / "full").ok
