@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -233,3 +233,7 @@ def mix_stream(
                 seen[t] = full_distribution(mixer, context, probes[t], entropy_of(probes[t]))
         mixer.update(token_ids, start, end)
     return nll, seen
+
+
+#: mixers by the name a suite or record gives (``[mixer] name``); each is built as ``cls(config, vocab_size)``
+MIXERS: dict[str, Callable[[MixerConfig, int], StreamMixer]] = {"backoff": BackoffNgramMixer}

@@ -50,6 +50,7 @@ class CellResult:
         nll: per position, ``-input_logprob`` (NaN where not scored: the first token); with the
             mixer, the mixed NLL.
         entropy: per position, the model distribution's entropy (nats; NaN where not scored).
+        kv_seen: per position, the cache rows its token attended to (itself included).
         mixer: the :class:`MixerConfig` fields when the n-gram mixer was applied, else ``None``.
     """
 
@@ -69,11 +70,13 @@ class CellResult:
     seconds: float
     nll: list[float] = field(repr=False, default_factory=list)
     entropy: list[float] = field(repr=False, default_factory=list)
+    kv_seen: list[int] = field(repr=False, default_factory=list)
     mixer: dict[str, Any] | None = None
 
     def to_dict(self, with_nll: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d.pop("entropy")
+        d.pop("kv_seen")
         if not with_nll:
             d.pop("nll")
         else:
@@ -272,6 +275,7 @@ def _score_group(
                 seconds=seconds,
                 nll=nll,
                 entropy=entropies[i],
+                kv_seen=kv_seen[i],
             )
         )
     return results
@@ -313,6 +317,7 @@ def mix_result(
         bits_per_byte=bits_per_byte(scored, [int(byte_counts[p]) for p in range(first, n)]),
         nll=nll,
         entropy=result.entropy,
+        kv_seen=result.kv_seen,
         mixer=config.to_dict(),
     )
 
