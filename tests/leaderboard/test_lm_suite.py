@@ -203,3 +203,19 @@ def test_suite_errors_name_the_key(tmp_path, tiny_model_path):
     path.write_text(path.read_text().replace("min_count = 2", "min_count = 2\nbogus = 1"))
     with pytest.raises(InvalidArgumentError, match="bogus"):
         load_lm_suite(path)
+
+
+def test_cli_runs_checks_and_shows_an_lm_suite(tmp_path, tiny_model_path, capsys):
+    from compaction_gym.cli import main as cli_main
+
+    suite = write_suite(tmp_path, tiny_model_path)
+    out = tmp_path / "records"
+    run = ["leaderboard", "run", str(suite), "--output", str(out), "--device", "cpu"]
+    assert cli_main([*run, "--limit-episodes", "2"]) == 2
+    assert "no episodes" in capsys.readouterr().err
+    assert cli_main([*run, "--methods", "none", "h2o+ngram"]) == 0
+    assert "h2o+ngram/kv40/submission.json" in capsys.readouterr().out
+    assert cli_main(["leaderboard", "check", "--records", str(out)]) == 0
+    assert "2 records, 0 failing" in capsys.readouterr().out
+    assert cli_main(["leaderboard", "show", "--records", str(out)]) == 0
+    assert "bits/byte" in capsys.readouterr().out
