@@ -80,6 +80,26 @@ def vocab_size(record: dict[str, Any], lines: list[dict[str, Any]]) -> int:
     return max(int(t) for t in lines[0]["token_ids"]) + 1
 
 
+def token_failures(record: dict[str, Any], cell: LmCell, line: dict[str, Any]) -> list[str]:
+    """The scored tokens and bytes must be the suite's text as the model's tokenizer reads it
+    (checked when the model directory is on this machine; skipped otherwise)."""
+    resolved = Path(str(record["model"].get("resolved", "")))
+    if not (resolved / "tokenizer.json").is_file() and not (resolved / "tokenizer_config.json").is_file():
+        return []
+    from transformers import AutoTokenizer
+
+    from compaction_gym.lmeval.scoring import piece_bytes
+
+    tokenizer = AutoTokenizer.from_pretrained(resolved)
+    text = cell.text_file.read_text(encoding="utf-8")
+    ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"][: cell.max_tokens]]
+    if ids != [int(t) for t in line["token_ids"]]:
+        return ["tokens: the scored token ids are not the suite's text under the model's tokenizer"]
+    if piece_bytes(tokenizer, ids) != [int(b) for b in line["bytes"]]:
+        return ["tokens: the bytes per token are not the tokenizer's decoded pieces"]
+    return []
+
+
 def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | None = None) -> None:
     """Append every broken rule of the lm record at ``path`` to ``failures``."""
     fail = failures
@@ -123,6 +143,7 @@ def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | No
             return
     if n != cell.max_tokens:
         fail.append(f"{n} tokens scored, the suite reads {cell.max_tokens}")
+    fail.extend(token_failures(record, cell, lines[0]))
     try:
         recomputed = finite(lm_results(cell, lines))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:

@@ -194,6 +194,10 @@ def test_check_flags_edited_scores(lm_run, tmp_path):
     res = check_record(copy / "lm-tiny/h2o/kv40")
     assert any("differs from the one" in f for f in res.failures)
     assert any("not the model's -log p" in f for f in res.failures)
+    d = json.loads((out / "lm-tiny/h2o/kv40/scores.jsonl").read_text())
+    d["token_ids"][60] += 1  # another text
+    path.write_text(json.dumps(d) + "\n")
+    assert any("not the suite's text" in f for f in check_record(copy / "lm-tiny/h2o/kv40").failures)
 
 
 def test_suite_errors_name_the_key(tmp_path, tiny_model_path):
