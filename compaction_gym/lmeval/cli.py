@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output", help="write the JSON summary here")
     parser.add_argument(
-        "--per-token", action="store_true", help="include every position's NLL in the JSON summary"
+        "--per-token",
+        action="store_true",
+        help="include every position's NLL and model entropy in the JSON summary",
     )
     parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr"
@@ -210,6 +213,7 @@ def run(args: argparse.Namespace) -> tuple[list[CellResult], dict[str, Any]]:
     if args.per_token:
         for d, r in zip(out["cells"], results):
             d["nll"] = r.to_dict(with_nll=True)["nll"]
+            d["entropy"] = [None if math.isnan(x) else x for x in r.entropy]
     return results, out
 
 
