@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the model (its tokenizer is read)")
     p.add_argument("--cells", nargs="+", help="cell names to rescore (default: all unmixed cells)")
     p.add_argument("--config", help="one MixerConfig as JSON instead of the grid")
+    p.add_argument("--grid", help="a grid as JSON {field: [values]} instead of the default GRID")
     p.add_argument("--json", help="write every (cell, config, bits per byte) here")
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoTokenizer
@@ -67,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     if any("entropy" not in c for c in cells):
         print("the summary has no per-token entropies: run eval-lm with --per-token", file=sys.stderr)
         return 2
+    grid = json.loads(args.grid) if args.grid else GRID
     configs = (
         [MixerConfig.from_dict(json.loads(args.config))]
         if args.config
-        else [MixerConfig(**dict(zip(GRID, values)))
-              for values in itertools.product(*GRID.values())]
+        else [MixerConfig(**dict(zip(grid, values)))
+              for values in itertools.product(*grid.values())]
     )  # fmt: skip
     rows = []
     for cell in cells:
