@@ -45,7 +45,7 @@ class RowFeed:
 
     With ``score=True`` the runner sets ``scores`` to float32 ``[len(token_ids) - 1]``:
     ``scores[j] = log_softmax(logits at token_ids[j])[token_ids[j + 1]]`` (the plain model
-    distribution, no temperature).
+    distribution, no temperature), and ``entropies[j]`` to that distribution's entropy in nats.
     """
 
     slot: int
@@ -54,6 +54,7 @@ class RowFeed:
     recorder: QueryRecorder | None = None
     score: bool = False
     scores: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,11 +88,21 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows_per_pass: 
     Computed ``rows_per_pass`` rows at a time, so the float32 copy stays small for long chunks and
     large vocabularies.
     """
+    return target_scores(logits, targets, rows_per_pass)[0]
+
+
+def target_scores(
+    logits: torch.Tensor, targets: torch.Tensor, rows_per_pass: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 target log-probs (:func:`target_logprobs`) and the entropy ``-Σ_v p_v log p_v``
+    (nats) of each row's distribution, ``rows_per_pass`` rows at a time."""
     out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+    ent = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
     for a in range(0, len(targets), rows_per_pass):
         part = torch.log_softmax(logits[a : a + rows_per_pass].float(), dim=-1)
         out[a : a + rows_per_pass] = part.gather(-1, targets[a : a + rows_per_pass, None]).squeeze(-1)
-    return out
+        ent[a : a + rows_per_pass] = -(part.exp() * part).sum(-1)
+    return out, ent
 
 
 @dataclass(frozen=True)
@@ -216,7 +227,9 @@ class ModelRunner:
         if scoring:
             for b, (r, n) in enumerate(zip(rows, sizes)):
                 if r.score:
-                    r.scores = target_logprobs(out.logits[b, width - n : width - 1], ids[b, width - n + 1 :].to(dev))
+                    r.scores, r.entropies = target_scores(
+                        out.logits[b, width - n : width - 1], ids[b, width - n + 1 :].to(dev)
+                    )
         return out.logits[:, -1].float()
 
     @torch.no_grad()

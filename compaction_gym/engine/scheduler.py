@@ -63,6 +63,7 @@ class Work:
     stop_ids: frozenset[int] = frozenset()
     score_input: bool = False
     input_logprobs: list[float | None] | None = None
+    input_entropies: list[float | None] | None = None
 
 
 class Scheduler:
@@ -295,16 +296,23 @@ class Scheduler:
 
     @staticmethod
     def _take_scores(w: Work, f: RowFeed) -> None:
-        """Store the input positions' log-probs from a scored chunk (and the logits before it)."""
+        """Store the input positions' log-probs and entropies from a scored chunk (and the
+        logits before it)."""
         first = w.out_start - len(w.new_ids)
         if w.input_logprobs is None:
             w.input_logprobs = [None] * len(w.new_ids)
+            w.input_entropies = [None] * len(w.new_ids)
+        assert w.input_entropies is not None
         prev = w.logits if w.logits is not None else w.session.last_logits
         if prev is not None and first <= f.start < w.out_start:
-            w.input_logprobs[f.start - first] = torch.log_softmax(prev.float(), -1)[f.token_ids[0]].item()
-        for j, lp in enumerate(f.scores.tolist(), start=f.start + 1):
+            lp = torch.log_softmax(prev.float(), -1)
+            w.input_logprobs[f.start - first] = lp[f.token_ids[0]].item()
+            w.input_entropies[f.start - first] = -(lp.exp() * lp).sum().item()
+        ents = f.entropies.tolist() if f.entropies is not None else [None] * len(f.scores)
+        for j, (lp, h) in enumerate(zip(f.scores.tolist(), ents), start=f.start + 1):
             if first <= j < w.out_start:
                 w.input_logprobs[j - first] = lp
+                w.input_entropies[j - first] = h
 
     def _decode(self, works: list[Work]) -> None:
         active = []
@@ -452,4 +460,5 @@ class Scheduler:
             inject_ranges=list(w.inject_ranges),
             timings={**timings, "compaction": w.compaction_s},
             input_logprobs=(w.input_logprobs or [None] * len(w.new_ids)) if w.score_input else None,
+            input_entropies=(w.input_entropies or [None] * len(w.new_ids)) if w.score_input else None,
         )

@@ -68,6 +68,9 @@ class StepResult:
             log-probability under the plain model distribution (log-softmax, no temperature) given
             the session's cache as it stood when it was fed (compacted as decoding sees it);
             ``None`` where no logits precede it (a session's first token). ``None`` otherwise.
+        input_entropies: with ``score_input``, per input token the entropy (nats) of the same
+            distribution its log-prob comes from (``None`` where that log-prob is); a mixer's
+            context-only weight needs it (docs/eval-lm.md, "N-gram mixer"). ``None`` otherwise.
     """
 
     session_id: str
@@ -83,6 +86,7 @@ class StepResult:
     inject_ranges: list[tuple[int, int]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     input_logprobs: list[float | None] | None = None
+    input_entropies: list[float | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +103,7 @@ class StepResult:
             "inject_ranges": [list(r) for r in self.inject_ranges],
             "timings": dict(self.timings),
             "input_logprobs": None if self.input_logprobs is None else list(self.input_logprobs),
+            "input_entropies": None if self.input_entropies is None else list(self.input_entropies),
         }
 
     @classmethod
@@ -117,6 +122,7 @@ class StepResult:
             inject_ranges=[(int(a), int(b)) for a, b in d.get("inject_ranges", [])],
             timings={k: float(v) for k, v in d.get("timings", {}).items()},
             input_logprobs=_optional_floats(d.get("input_logprobs")),
+            input_entropies=_optional_floats(d.get("input_entropies")),
         )
 
 

@@ -106,7 +106,7 @@ def sign_test(diffs: Sequence[float]) -> float:
     if n == 0:
         return 1.0
     k = min(pos, n - pos)
-    tail = math.fsum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # exact integers: no overflow at large n
     return min(1.0, 2.0 * tail)
 
 

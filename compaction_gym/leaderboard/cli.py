@@ -87,6 +87,7 @@ def register(subparsers: Any) -> None:
 
 
 def main_run(args: argparse.Namespace) -> int:
+    from compaction_gym.leaderboard.lm_suite import LM_KIND, suite_kind
     from compaction_gym.leaderboard.parallel import RunIncomplete, run_suite_parallel
     from compaction_gym.leaderboard.runner import run_suite
     from compaction_gym.leaderboard.suite import load_suite
@@ -96,6 +97,8 @@ def main_run(args: argparse.Namespace) -> int:
     }
     try:
         check_output_dir(args.output, "--output")
+        if suite_kind(args.suite) == LM_KIND:
+            return _run_lm(args, engine)
         suite = load_suite(args.suite)
         if args.jobs != 1 or args.time_limit is not None:
             paths = run_suite_parallel(
@@ -146,6 +149,27 @@ def main_cells(args: argparse.Namespace) -> int:
         print(f"compaction-gym leaderboard cells: {exc}", file=sys.stderr)
         return 2
     print(format_plan(cell_plan(cells, run_seeds, args.output, args.limit_episodes), args.jobs))
+    return 0
+
+
+def _run_lm(args: argparse.Namespace, engine: dict[str, Any]) -> int:
+    """``leaderboard run`` of a language-modelling suite (``kind = "lm"``)."""
+    from compaction_gym.errors import InvalidArgumentError
+    from compaction_gym.leaderboard.lm_runner import run_lm_suite
+    from compaction_gym.leaderboard.lm_suite import load_lm_suite
+
+    if args.limit_episodes is not None:
+        raise InvalidArgumentError("--limit-episodes: an lm suite has no episodes (its text has max_tokens)")
+    paths = run_lm_suite(
+        load_lm_suite(args.suite),
+        methods=args.methods,
+        budgets=args.budgets,
+        seeds=args.seeds,
+        output=args.output,
+        engine_kwargs=engine,
+    )
+    for p in paths:
+        print(f"wrote {p}")
     return 0
 
 

@@ -7,6 +7,7 @@ config hash matches the suite file as it is now; its seeds and episodes are exac
 the measured KV never exceeded the claimed budget (the engine's contract: by at most the input of
 the step that crossed it, ``docs/engine.md``); every compaction event used only tokens already in
 context. A failing record is reported with its reasons (``compliance.json``), never deleted.
+Language-modelling records have their own rules (:mod:`compaction_gym.leaderboard.lm_compliance`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from compaction_gym.leaderboard.audit import (
     row_failures,
     rows_from_trajectories,
 )
+from compaction_gym.leaderboard.lm_compliance import check_lm_record
+from compaction_gym.leaderboard.lm_record import LM_RECORD_SCHEMA
 from compaction_gym.leaderboard.record import (
     RECORD_FILE,
     TRAJECTORIES_FILE,
@@ -187,6 +190,9 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         fail.append(f"unreadable record: {exc}")
+        return result
+    if isinstance(record, dict) and record.get("schema") == LM_RECORD_SCHEMA:
+        check_lm_record(path, fail, suite_file)  # a language-modelling record: its own rules
         return result
     fail.extend(f"schema: {e}" for e in schema_errors(record))
     if fail:

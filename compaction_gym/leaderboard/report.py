@@ -87,12 +87,14 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
     return out
 
 
-def markdown(tables: dict[str, list[list[str]]]) -> str:
+def markdown(tables: dict[str, list[list[str]]], columns: dict[str, tuple[str, ...]] | None = None) -> str:
+    """One table per suite (``columns`` per suite; default :data:`COLUMNS`)."""
     parts = []
     for suite, body in tables.items():
+        cols = (columns or {}).get(suite, COLUMNS)
         parts.append(f"## {suite}\n")
-        parts.append("| " + " | ".join(COLUMNS) + " |")
-        parts.append("|" + "---|" * len(COLUMNS))
+        parts.append("| " + " | ".join(cols) + " |")
+        parts.append("|" + "---|" * len(cols))
         parts.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body)
         parts.append("")
     return "\n".join(parts)
@@ -166,7 +168,11 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
     return paths
 
 
-def html_page(tables: dict[str, list[list[str]]], plots: dict[str, list[Path]]) -> str:
+def html_page(
+    tables: dict[str, list[list[str]]],
+    plots: dict[str, list[Path]],
+    columns: dict[str, tuple[str, ...]] | None = None,
+) -> str:
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>compaction-gym leaderboard</title>",
         "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
@@ -175,7 +181,7 @@ def html_page(tables: dict[str, list[list[str]]], plots: dict[str, list[Path]]) 
     ]
     for suite, body in tables.items():
         parts.append(f"<h2>{html.escape(suite)}</h2><table><tr>")
-        parts.extend(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+        parts.extend(f"<th>{html.escape(c)}</th>" for c in (columns or {}).get(suite, COLUMNS))
         parts.append("</tr>")
         for row in body:
             cls = " class='no'" if row[-1].startswith("NO") else ""
@@ -261,13 +267,17 @@ def show(root: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -
 
     out = Path(out_dir) if out_dir is not None else Path(root)
     out.mkdir(parents=True, exist_ok=True)
+    from compaction_gym.leaderboard.lm_report import LM_COLUMNS, is_lm, lm_plot, lm_rows
+
     records = load_records(root)
-    tables = {suite: rows(entries) for suite, entries in sorted(records.items())}
-    plots = {suite: plot(suite, entries, out) for suite, entries in sorted(records.items())}
+    lm = {suite for suite, entries in records.items() if entries and is_lm(entries[0][0])}
+    tables = {s: (lm_rows if s in lm else rows)(entries) for s, entries in sorted(records.items())}
+    plots = {s: (lm_plot if s in lm else plot)(s, entries, out) for s, entries in sorted(records.items())}
+    columns = dict.fromkeys(lm, LM_COLUMNS)
     if fmt == "html":
-        page = html_page(tables, plots)
+        page = html_page(tables, plots, columns)
     else:
-        page = "# compaction-gym leaderboard\n\n" + markdown(tables)
+        page = "# compaction-gym leaderboard\n\n" + markdown(tables, columns)
         for paths in plots.values():
             page += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
     write_atomic(out / f"leaderboard.{fmt}", page)

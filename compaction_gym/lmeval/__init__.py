@@ -1,11 +1,13 @@
 """Language-model evaluation under compacted KV caches: ``compaction-gym eval-lm`` (docs/eval-lm.md)."""
 
+from compaction_gym.lmeval.mixer import MIXERS, BackoffNgramMixer, MixerConfig, mix_stream
 from compaction_gym.lmeval.scoring import (
     Cell,
     CellResult,
     bits_per_byte,
     default_score_after,
     make_cells,
+    mix_result,
     piece_bytes,
     score_cells,
     summary,
@@ -14,6 +16,11 @@ from compaction_gym.lmeval.text import BUILTIN_TEXTS, load_text, pydoc_text
 
 __all__ = [
     "BUILTIN_TEXTS",
+    "MIXERS",
+    "BackoffNgramMixer",
+    "MixerConfig",
+    "mix_result",
+    "mix_stream",
     "Cell",
     "CellResult",
     "bits_per_byte",

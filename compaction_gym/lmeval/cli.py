@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,10 +18,12 @@ from typing import Any
 from compaction_gym.cli_args import add_dataclass_arguments, check_output_file, given_fields
 from compaction_gym.engine.config import CompactionConfig
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.lmeval.mixer import MixerConfig
 from compaction_gym.lmeval.scoring import (
     BETA_SUFFIX,
     CellResult,
     make_cells,
+    mix_result,
     piece_bytes,
     score_cells,
     summary,
@@ -67,9 +70,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="also score mode none, the full cache (default: on)",
     )
+    parser.add_argument(
+        "--mixer",
+        action="store_true",
+        help="also score every cell mixed with the eval-time BackoffNgramMixer (cells NAME+ngram)",
+    )
+    parser.add_argument(
+        "--mixer-options",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="MixerConfig fields: max_order, buckets, min_count, alpha_base, alpha_scale, alpha_slope, "
+        "entropy_center",
+    )
     parser.add_argument("--output", help="write the JSON summary here")
     parser.add_argument(
-        "--per-token", action="store_true", help="include every position's NLL in the JSON summary"
+        "--per-token",
+        action="store_true",
+        help="include every position's NLL and model entropy in the JSON summary",
     )
     parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr"
@@ -100,6 +118,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def mixer_config(options: Sequence[str]) -> MixerConfig:
+    """A :class:`MixerConfig` from ``KEY=VALUE`` strings (ints and floats as the fields' types).
+
+    Raises:
+        InvalidArgumentError: a malformed option, unknown key or bad value, naming it.
+    """
+    values: dict[str, Any] = {}
+    types = {f: type(v) for f, v in MixerConfig().to_dict().items()}
+    for opt in options:
+        key, sep, raw = opt.partition("=")
+        if not sep or key not in types:
+            raise InvalidArgumentError(
+                f"--mixer-options: {opt!r} is not KEY=VALUE with KEY in {sorted(types)}"
+            )
+        try:
+            values[key] = types[key](raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(
+                f"--mixer-options: {key}={raw!r} is not a {types[key].__name__}"
+            ) from exc
+    return MixerConfig.from_dict(values)
+
+
 def register(subparsers: Any) -> None:
     """Add ``eval-lm`` to the ``compaction-gym`` command."""
     parser = subparsers.add_parser(
@@ -123,6 +164,7 @@ def run(args: argparse.Namespace) -> tuple[list[CellResult], dict[str, Any]]:
 
     if args.max_tokens < 2:
         raise InvalidArgumentError(f"max_tokens must be >= 2, got {args.max_tokens}")
+    mixer = mixer_config(args.mixer_options) if args.mixer else None
     base = {"protect_prompt": False, **given_fields(CompactionConfig, args)}
     modes = args.modes or [base.get("mode", "none") + (BETA_SUFFIX if base.get("compute_beta") else "")]
     budgets = args.budgets or [base.get("max_kv_len")]
@@ -143,16 +185,20 @@ def run(args: argparse.Namespace) -> tuple[list[CellResult], dict[str, Any]]:
         model, tokenizer, max_slots=min(args.max_batch, len(cells)), capacity=capacity,
         prefill_chunk=args.prefill_chunk, fast=args.fast,
     )  # fmt: skip
+    byte_counts = piece_bytes(tokenizer, ids)
     bar = tqdm(
         total=len(ids) * len(cells), desc="eval-lm", unit="tok", disable=not args.progress, file=sys.stderr
     )
     try:
         results = score_cells(
-            LocalBackend(engine, name=str(args.model)), ids, cells, piece_bytes(tokenizer, ids),
+            LocalBackend(engine, name=str(args.model)), ids, cells, byte_counts,
             chunk=args.chunk, score_after=args.score_after, max_batch=args.max_batch, progress=bar.update,
         )  # fmt: skip
     finally:
         bar.close()
+    if mixer is not None:
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        results += [mix_result(r, ids, byte_counts, mixer, vocab, args.chunk) for r in results]
     run_info = {
         "model": str(args.model),
         "text": args.text,
@@ -161,11 +207,13 @@ def run(args: argparse.Namespace) -> tuple[list[CellResult], dict[str, Any]]:
         "chunk": args.chunk,
         "device": str(device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "mixer": None if mixer is None else mixer.to_dict(),
     }
     out = summary(results, **run_info)
     if args.per_token:
         for d, r in zip(out["cells"], results):
             d["nll"] = r.to_dict(with_nll=True)["nll"]
+            d["entropy"] = [None if math.isnan(x) else x for x in r.entropy]
     return results, out
 
 

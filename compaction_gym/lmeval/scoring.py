@@ -19,10 +19,12 @@ from compaction_gym.backends import Backend
 from compaction_gym.engine.config import COMPACTION_MODES, CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.lmeval.mixer import BackoffNgramMixer, MixerConfig, mix_stream
 
+#: the suffix of a cell mixed with the n-gram mixer (``attention_matching@512+ngram``)
+MIXER_SUFFIX = "+ngram"
 #: the suffix of a ``--modes`` entry that turns on β (``attention_matching+beta``)
 BETA_SUFFIX = "+beta"
-_FORCE = SamplingParams(max_new_tokens=0, seed=0)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,11 @@ class CellResult:
         compression: ``mean_context / mean_kv``.
         events: compaction events that fired.
         seconds: wall time of the cell's group (cells of one group share it).
-        nll: per position, ``-input_logprob`` (NaN where not scored: the first token).
+        nll: per position, ``-input_logprob`` (NaN where not scored: the first token); with the
+            mixer, the mixed NLL.
+        entropy: per position, the model distribution's entropy (nats; NaN where not scored).
+        kv_seen: per position, the cache rows its token attended to (itself included).
+        mixer: the :class:`MixerConfig` fields when the n-gram mixer was applied, else ``None``.
     """
 
     name: str
@@ -63,9 +69,14 @@ class CellResult:
     events: int
     seconds: float
     nll: list[float] = field(repr=False, default_factory=list)
+    entropy: list[float] = field(repr=False, default_factory=list)
+    kv_seen: list[int] = field(repr=False, default_factory=list)
+    mixer: dict[str, Any] | None = None
 
     def to_dict(self, with_nll: bool = False) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("entropy")
+        d.pop("kv_seen")
         if not with_nll:
             d.pop("nll")
         else:
@@ -152,6 +163,7 @@ def score_cells(
     score_after: int | None = None,
     max_batch: int = 8,
     progress: Callable[[int], None] | None = None,
+    seed: int = 0,
 ) -> list[CellResult]:
     """Feed ``token_ids`` to one session per cell, ``chunk`` tokens per step, and score them.
 
@@ -164,6 +176,7 @@ def score_cells(
         score_after: first scored position (default :func:`default_score_after`; at least 1).
         max_batch: sessions stepped together.
         progress: called with the number of tokens fed after each step (summed over cells).
+        seed: the sessions' RNG seed (``random`` selection and ``random`` probes draw from it).
 
     Returns:
         One :class:`CellResult` per cell, in order.
@@ -183,7 +196,9 @@ def score_cells(
     ids = [int(t) for t in token_ids]
     results: list[CellResult] = []
     for g in range(0, len(cells), max_batch):
-        results += _score_group(backend, ids, cells[g : g + max_batch], byte_counts, chunk, first, progress)
+        results += _score_group(
+            backend, ids, cells[g : g + max_batch], byte_counts, chunk, first, progress, seed
+        )
     return results
 
 
@@ -195,10 +210,13 @@ def _score_group(
     chunk: int,
     first: int,
     progress: Callable[[int], None] | None,
+    seed: int = 0,
 ) -> list[CellResult]:
     n = len(ids)
+    force = SamplingParams(max_new_tokens=0, seed=seed)
     t0 = time.perf_counter()
     logprobs = [[math.nan] * n for _ in cells]
+    entropies = [[math.nan] * n for _ in cells]
     kv_seen = [[0] * n for _ in cells]
     events = [0] * len(cells)
     session_ids: list[str] = []
@@ -206,19 +224,19 @@ def _score_group(
         for start in range(0, n, chunk):
             piece = ids[start : start + chunk]
             if start == 0:
-                requests: list[Any] = [
-                    CreateRequest(piece, c.config, _FORCE, score_input=True) for c in cells
-                ]
+                requests: list[Any] = [CreateRequest(piece, c.config, force, score_input=True) for c in cells]
             else:
-                requests = [StepRequest(sid, piece, _FORCE, score_input=True) for sid in session_ids]
+                requests = [StepRequest(sid, piece, force, score_input=True) for sid in session_ids]
             out = backend.step_batch(requests)
             if start == 0:
                 session_ids = [r.session_id for r in out]
             for i, r in enumerate(out):
                 kv_before = r.kv_len - len(piece)  # rows after this step's compaction, before the feed
                 events[i] += len(r.events)
-                for j, lp in enumerate(r.input_logprobs or []):
+                ents = r.input_entropies or [None] * len(r.input_logprobs or [])
+                for j, (lp, h) in enumerate(zip(r.input_logprobs or [], ents)):
                     logprobs[i][start + j] = math.nan if lp is None else lp
+                    entropies[i][start + j] = math.nan if h is None else h
                     kv_seen[i][start + j] = kv_before + j + 1
             if progress is not None:
                 progress(len(piece) * len(cells))
@@ -256,14 +274,57 @@ def _score_group(
                 events=events[i],
                 seconds=seconds,
                 nll=nll,
+                entropy=entropies[i],
+                kv_seen=kv_seen[i],
             )
         )
     return results
 
 
+def mix_result(
+    result: CellResult,
+    token_ids: Sequence[int],
+    byte_counts: Sequence[int],
+    config: MixerConfig,
+    vocab_size: int,
+    chunk: int,
+) -> CellResult:
+    """``result`` rescored with a fresh :class:`BackoffNgramMixer` in one score-first pass over
+    the text, chunk by chunk as it was fed (docs/eval-lm.md, "N-gram mixer"): the cell
+    ``NAME+ngram``, on the same scored positions.
+
+    Raises:
+        InvalidArgumentError: the backend returned no entropies (the mixer's weight needs them).
+    """
+    n = len(token_ids)
+    first = n - result.n_scored
+    if not result.entropy or any(math.isnan(result.entropy[p]) for p in range(first, n)):
+        raise InvalidArgumentError(
+            f"cell {result.name}: the backend returned no input entropies; the n-gram mixer needs them"
+        )
+    lp = [None if math.isnan(x) else -x for x in result.nll]
+    ent = [None if math.isnan(x) else x for x in result.entropy]
+    nll, _ = mix_stream(BackoffNgramMixer(config, vocab_size), token_ids, lp, ent, chunk)
+    scored = nll[first:]
+    return CellResult(
+        **{
+            **{k: getattr(result, k) for k in ("mode", "max_kv_len", "compact_window", "compute_beta")},
+            **{k: getattr(result, k) for k in ("n_scored", "n_bytes", "mean_kv", "mean_context")},
+            **{k: getattr(result, k) for k in ("compression", "events", "seconds")},
+        },
+        name=result.name + MIXER_SUFFIX,
+        mean_nll=math.fsum(scored) / len(scored),
+        bits_per_byte=bits_per_byte(scored, [int(byte_counts[p]) for p in range(first, n)]),
+        nll=nll,
+        entropy=result.entropy,
+        kv_seen=result.kv_seen,
+        mixer=config.to_dict(),
+    )
+
+
 def summary(results: Sequence[CellResult], **run: Any) -> dict[str, Any]:
     """The JSON summary: the run's settings, and per cell its scores and gaps to ``none``."""
-    ref = next((r for r in results if r.mode == "none"), None)
+    ref = next((r for r in results if r.mode == "none" and r.mixer is None), None)
     cells = []
     for r in results:
         d = r.to_dict()

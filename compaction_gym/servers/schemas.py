@@ -269,6 +269,9 @@ class GenerateResponse(BaseModel):
     input_logprobs: list[float | None] | None = Field(
         None, description="with score_input: one log-prob per input token (null where none exists); else null"
     )
+    input_entropies: list[float | None] | None = Field(
+        None, description="with score_input: the entropy (nats) of each input token's distribution; else null"
+    )
     diagnostics: Diagnostics
 
 
@@ -320,6 +323,7 @@ def to_response(
         "finish_reason": result.finish_reason,
         "current_seq_len": result.kv_len,
         "input_logprobs": None if result.input_logprobs is None else list(result.input_logprobs),
+        "input_entropies": None if result.input_entropies is None else list(result.input_entropies),
         "diagnostics": {
             "prompt_len": result.prompt_len,
             "total_tokens": result.total_tokens,
@@ -352,5 +356,6 @@ def from_response(data: dict[str, Any]) -> StepResult:
             "inject_ranges": diag.get("inject_ranges", []),
             "timings": diag.get("timings", {}),
             "input_logprobs": data.get("input_logprobs"),
+            "input_entropies": data.get("input_entropies"),
         }
     )

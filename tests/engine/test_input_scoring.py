@@ -46,6 +46,23 @@ def check(result: StepResult, reference: list[float], start: int, tol: float) ->
             assert lp is not None and abs(lp - ref) < tol, (start + i, lp, ref)
 
 
+def plain_entropies(model, tokens: list[int]) -> list[float]:
+    """``out[p]`` = entropy (nats, float64) of the plain forward's distribution at ``p - 1``."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)[:-1]
+    return [math.nan, *(-(lp.exp() * lp).sum(-1)).tolist()]
+
+
+def check_entropies(result: StepResult, reference: list[float], start: int) -> None:
+    """``result.input_entropies`` equal ``reference`` where a log-prob exists (``None`` elsewhere)."""
+    got = result.input_entropies
+    assert got is not None and len(got) == result.prompt_len
+    for i, (h, lp) in enumerate(zip(got, result.input_logprobs)):
+        assert (h is None) == (lp is None)
+        if h is not None:
+            assert abs(h - reference[start + i]) < 1e-4, (start + i, h, reference[start + i])
+
+
 @pytest.fixture
 def chunked(tiny_model_path):
     """An engine whose prefill chunk (7) splits every input."""
@@ -81,9 +98,12 @@ def test_uncompacted_scores_equal_plain_forward(chunked, tiny_model):
         chunked.close(batch[0].session_id)
         assert batch[0].input_logprobs is None and batch[2].input_logprobs is None
     reference = plain_logprobs(tiny_model, chunked.session(r.session_id).token_ids)
+    entropies = plain_entropies(tiny_model, chunked.session(r.session_id).token_ids)
     for res, start in results:
         check(res, reference, start, 1e-5)
-    assert results[4][0].input_logprobs == []
+        check_entropies(res, entropies, start)
+    assert results[4][0].input_logprobs == [] and results[4][0].input_entropies == []
+    assert StepResult.from_dict(results[1][0].to_dict()).input_entropies == results[1][0].input_entropies
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -226,3 +246,14 @@ def test_target_logprobs_in_passes_equal_float64(rows_per_pass):
     ).abs().max() < 1e-5
     assert (target_logprobs(logits, targets, rows_per_pass).double() - ref).abs().max() < 1e-5
     assert target_logprobs(logits[:0], targets[:0]).shape == (0,)
+
+
+def test_target_scores_entropy_equals_float64():
+    from compaction_gym.engine.model_runner import target_scores
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(19, 29, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, 29, (19,), generator=g)
+    lp = torch.log_softmax(logits, -1)
+    _, ent = target_scores(logits, targets, rows_per_pass=4)
+    assert (ent.double() + (lp.exp() * lp).sum(-1)).abs().max() < 1e-5

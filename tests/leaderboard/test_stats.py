@@ -68,6 +68,13 @@ def test_sign_test_matches_binomtest():
     assert sign_test([0, 0]) == 1.0
 
 
+@pytest.mark.parametrize(("pos", "n"), [(1400, 3072), (1530, 3072), (40, 5000)])
+def test_sign_test_large_n_matches_binomtest(pos, n):
+    """Thousands of pairs (per-token comparisons of the lm suites): no float overflow."""
+    d = [1.0] * pos + [-1.0] * (n - pos)
+    assert sign_test(d) == pytest.approx(stats.binomtest(pos, n, 0.5).pvalue, rel=1e-9, abs=1e-300)
+
+
 def test_paired_comparison_bundle_and_degenerate_cases():
     c = paired_comparison(X, Y)
     assert (

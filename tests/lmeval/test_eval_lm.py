@@ -163,3 +163,44 @@ def test_cli_single_mode_line_and_bad_arguments(tiny_model_path, capsys):
     assert "needs a KV budget" in capsys.readouterr().err
     assert cli_main(base + ["--score-after", "40"]) == 2
     assert "score_after" in capsys.readouterr().err
+
+
+def test_cli_mixer_cells_rescore_each_cell_in_one_pass(tiny_model_path, tmp_path):
+    """``--mixer`` adds a NAME+ngram cell per cell, gaps to the unmixed ``none``."""
+    out, text = tmp_path / "lm.json", tmp_path / "t.txt"
+    text.write_text(TEXT)
+    argv = ["eval-lm", "--model", str(tiny_model_path), "--text", str(text), "--max-tokens", "90"]
+    argv += ["--chunk", "16", "--modes", "h2o", "--budgets", "40", "--no-progress", "--per-token"]
+    argv += ["--mixer", "--mixer-options", "max_order=3", "min_count=1", "--output", str(out)]
+    assert cli_main(argv) == 0
+    data = json.loads(out.read_text())
+    cells = {c["name"]: c for c in data["cells"]}
+    assert list(cells) == ["none", "h2o@40", "none+ngram", "h2o@40+ngram"]
+    assert data["mixer"]["max_order"] == 3 and cells["none+ngram"]["mixer"]["min_count"] == 1
+    assert cells["none"]["mixer"] is None and "nll_gap" in cells["h2o@40+ngram"]
+    assert cli_main([*argv[:-2], "--mixer-options", "max_order=one"]) == 2
+
+
+def test_mix_result_equals_mix_stream(tiny_model_path, ids):
+    from compaction_gym.lmeval.mixer import BackoffNgramMixer, MixerConfig, mix_stream
+    from compaction_gym.lmeval.scoring import mix_result
+
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cpu", max_slots=2, capacity=1024
+    )
+    tok = engine.tokenizer
+    cells = make_cells(["h2o"], [40], {})
+    nb = piece_bytes(tok, ids)
+    res = score_cells(LocalBackend(engine), ids, cells, nb, chunk=16)
+    cfg = MixerConfig(max_order=3, min_count=1)
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    for r in res:
+        assert all(math.isfinite(h) and h >= 0 for h in r.entropy[1:])
+        mixed = mix_result(r, ids, nb, cfg, vocab, 16)
+        lp = [None] + [-x for x in r.nll[1:]]
+        ref, _ = mix_stream(BackoffNgramMixer(cfg, vocab), ids, lp, [None, *r.entropy[1:]], 16)
+        first = len(ids) - r.n_scored
+        assert mixed.nll[first:] == pytest.approx(ref[first:], rel=1e-12)
+        assert mixed.bits_per_byte == pytest.approx(bits_per_byte(ref[first:], nb[first:]), rel=1e-12)
+        assert mixed.name == r.name + "+ngram" and mixed.n_scored == r.n_scored
+        assert mixed.mean_nll < r.mean_nll  # the text repeats: the n-gram side helps

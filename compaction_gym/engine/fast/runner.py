@@ -30,7 +30,7 @@ from compaction_gym.engine.fast.attention import decode_attention, num_splits_fo
 from compaction_gym.engine.fast.kernels import decode_advance
 from compaction_gym.engine.fast.model import CAPTURE_ERROR_MODE, FastDecoder
 from compaction_gym.engine.fast.sampler import DeviceSampling, sample_device
-from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop, target_logprobs
+from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed, cut_at_stop, target_scores
 from compaction_gym.engine.sampler import SampleStream
 from compaction_gym.engine.slot_cache import SlotKVCache
 
@@ -343,7 +343,9 @@ class FastModelRunner:
             logits = all_logits[ends[1:].to(dev) - 1]
             for b in scoring:
                 lo, hi = int(ends[b]), int(ends[b + 1])
-                rows[b].scores = target_logprobs(all_logits[lo : hi - 1], ids[tok0[b] + 1 : tok0[b] + sizes[b]])
+                rows[b].scores, rows[b].entropies = target_scores(
+                    all_logits[lo : hi - 1], ids[tok0[b] + 1 : tok0[b] + sizes[b]]
+                )
         else:
             logits = dec.run(ids, pos, slot_t, row_t, c.k, c.v, attend, last=last_b, record=record)
         if recording:

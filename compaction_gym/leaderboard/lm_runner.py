@@ -1,0 +1,275 @@
+"""``leaderboard run`` for language-modelling suites (``kind = "lm"``): one record per cell.
+
+The model reads the suite's text through :func:`compaction_gym.lmeval.score_cells` (one compacted
+session per (compaction config, seed), cells stepped together); a cell with the mixer rescores
+its model pass with a fresh mixer in one score-first pass. Per cell ``OUTPUT/SUITE/METHOD/BUDGET/``:
+``scores.jsonl`` (one line per seed), ``run.log``, and ``submission.json`` (atomic). A cell whose
+record stands (same config, same scores file) is not re-run (docs/leaderboard.md,
+"Language-modelling suites").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.evaluation.summary import finite
+from compaction_gym.leaderboard.lm_record import (
+    LM_RECORD_SCHEMA,
+    SCORES_FILE,
+    lm_comparison,
+    lm_results,
+    lm_schema_errors,
+)
+from compaction_gym.leaderboard.lm_suite import LmCell, LmSuite
+from compaction_gym.leaderboard.record import LOG_FILE, RECORD_FILE, seal
+from compaction_gym.leaderboard.runner import hardware, model_block
+from compaction_gym.leaderboard.store import append_jsonl, read_episodes, sha256_file, write_json_atomic
+from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT
+from compaction_gym.lmeval.mixer import MIXERS, mix_stream
+from compaction_gym.lmeval.scoring import Cell as ScoreCell
+from compaction_gym.lmeval.scoring import CellResult, piece_bytes, score_cells
+from compaction_gym.provenance import provenance
+
+
+def lm_cell_dir(output: str | Path, cell: LmCell) -> Path:
+    return Path(output) / cell.suite / cell.method / cell.budget.label
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _log(path: Path, message: str) -> None:
+    with path.open("a") as fh:
+        fh.write(f"{_now()} {message}\n")
+
+
+def _nums(xs: Sequence[float]) -> list[float | None]:
+    return [None if math.isnan(x) else float(x) for x in xs]
+
+
+def score_line(
+    cell: LmCell, seed: int, ids: list[int], nbytes: list[int], res: CellResult, vocab: int
+) -> dict[str, Any]:
+    """One seed's line of ``scores.jsonl``: the model pass, mixed when the cell has a mixer."""
+    logprobs = [None if math.isnan(x) else -x for x in res.nll]
+    entropies = _nums(res.entropy)
+    nll: list[float | None] = _nums(res.nll)
+    if cell.mixer is not None:
+        mixer = MIXERS[str(cell.mixer_name)](cell.mixer, vocab)
+        nll = _nums(mix_stream(mixer, ids, logprobs, entropies, cell.chunk)[0])
+    return {
+        "seed": seed,
+        "token_ids": ids,
+        "bytes": nbytes,
+        "logprobs": logprobs,
+        "entropies": entropies,
+        "kv_seen": res.kv_seen,
+        "nll": nll,
+        "events": res.events,
+        "seconds": res.seconds,
+    }
+
+
+def run_lm_suite(
+    suite: LmSuite,
+    *,
+    methods: Sequence[str] | None = None,
+    budgets: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    output: str | Path = DEFAULT_OUTPUT,
+    engine_kwargs: dict[str, Any] | None = None,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+) -> list[Path]:
+    """Score every selected cell of ``suite`` that has no standing record; returns the record paths.
+
+    Args:
+        methods, budgets, seeds: a selection (default all; ``full`` always runs).
+        engine_kwargs: ``device``, ``dtype``, ``capacity`` for the engine.
+        model_and_tokenizer: a loaded ``(model, tokenizer)`` to reuse (tests).
+    """
+    import torch
+
+    from compaction_gym.backends import LocalBackend
+    from compaction_gym.engine import Engine
+    from compaction_gym.models.registry import load_model
+
+    known = suite.methods
+    chosen = list(methods) if methods else known
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise InvalidArgumentError(f"--methods: unknown {unknown}; suite {suite.name!r} has {known}")
+    bad = [s for s in (seeds or []) if s not in suite.seeds]
+    if bad:
+        raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {suite.seeds}")
+    labels = {c.budget.label for c in suite.cells}
+    if budgets and set(budgets) - labels:
+        raise InvalidArgumentError(
+            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
+        )
+    cells = [
+        c
+        for c in suite.cells
+        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
+    ]
+    if not cells:
+        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
+    started_at = _now()
+    engine_kwargs = dict(engine_kwargs or {})
+    model_info = model_block(cells[0].model)
+    # what each cell still needs: (cell, seed) pairs whose line is not on disk
+    todo: dict[tuple[str, int], list[LmCell]] = {}
+    for cell in cells:
+        directory = lm_cell_dir(output, cell)
+        directory.mkdir(parents=True, exist_ok=True)
+        have = {int(d["seed"]) for d in read_episodes(directory / SCORES_FILE, lambda d: int(d["seed"]))}
+        for seed in cell.seeds if not seeds else [s for s in cell.seeds if s in seeds]:
+            if seed not in have:
+                todo.setdefault((json.dumps(cell.compaction.to_dict(), sort_keys=True), seed), []).append(
+                    cell
+                )
+    backend = None
+    if todo:
+        if model_and_tokenizer is None:
+            device = torch.device(
+                engine_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            )
+            model_and_tokenizer = load_model(
+                model_info["resolved"], dtype=engine_kwargs.get("dtype"), device=device
+            )
+        model, tokenizer = model_and_tokenizer
+        text = cells[0].text_file.read_text(encoding="utf-8")
+        ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"][: cells[0].max_tokens]]
+        nbytes = piece_bytes(tokenizer, ids)
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        budget_rows = max((c.compaction.max_kv_len or 0) + c.chunk for c in cells)
+        capacity = int(engine_kwargs.get("capacity") or max(len(ids), budget_rows))
+        max_batch = max(c.batch for c in cells)
+        engine = Engine(model, tokenizer, max_slots=max_batch, capacity=capacity)
+        backend = LocalBackend(engine, name=cells[0].model)
+    by_seed: dict[int, list[str]] = {}
+    for comp, seed in todo:
+        by_seed.setdefault(seed, []).append(comp)
+    for seed, comps in sorted(by_seed.items()):
+        assert backend is not None
+        score = [ScoreCell(todo[(c, seed)][0].key, todo[(c, seed)][0].compaction) for c in comps]
+        print(f"{suite.name}: seed {seed}, {len(score)} model passes over {len(ids)} tokens", file=sys.stderr)
+        t0 = time.perf_counter()
+        results = score_cells(
+            backend, ids, score, nbytes, chunk=cells[0].chunk, score_after=cells[0].score_after,
+            max_batch=max_batch, seed=seed,
+        )  # fmt: skip
+        for comp, res in zip(comps, results):
+            for cell in todo[(comp, seed)]:
+                directory = lm_cell_dir(output, cell)
+                line = score_line(cell, seed, ids, nbytes, res, vocab)
+                append_jsonl(directory / SCORES_FILE, [line])
+                _log(directory / LOG_FILE, f"seed {seed} scored in {time.perf_counter() - t0:.1f}s")
+    run = {"started_at": started_at, "model": model_info, "backend": backend}
+    written = [write_lm_record(suite, cell, output, run) for cell in cells]
+    attach_lm_comparisons(suite, output)
+    return [p for p in written if p is not None]
+
+
+def relative_path(path: Path) -> str:
+    """``path`` relative to the project root when inside it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def write_lm_record(suite: LmSuite, cell: LmCell, output: str | Path, run: dict[str, Any]) -> Path | None:
+    """Seal and write a cell's record from its ``scores.jsonl`` (``None`` while seeds are missing).
+
+    ``run``: ``started_at``, ``model`` (:func:`model_block`) and ``backend`` of this invocation."""
+    directory = lm_cell_dir(output, cell)
+    path = directory / SCORES_FILE
+    lines = [d for d in read_episodes(path, lambda d: int(d["seed"])) if int(d["seed"]) in cell.seeds]
+    if {int(d["seed"]) for d in lines} != set(cell.seeds):
+        return None
+    old = json.loads((directory / RECORD_FILE).read_text()) if (directory / RECORD_FILE).exists() else None
+    if (
+        old
+        and old["config_sha256"] == cell.config_sha256()
+        and old["files"]["scores"]["sha256"] == sha256_file(path)
+    ):
+        return directory / RECORD_FILE
+    record = seal(
+        {
+            "schema": LM_RECORD_SCHEMA,
+            "suite": {"name": suite.name, "file": relative_path(suite.path), "sha256": suite.sha256},
+            "method": cell.method,
+            "budget": cell.budget.to_dict(),
+            "config": cell.config(),
+            "config_sha256": cell.config_sha256(),
+            "seeds": sorted(int(d["seed"]) for d in lines),
+            "results": lm_results(cell, lines),
+            "comparison_vs_none": None,
+            "model": run["model"],
+            "provenance": {
+                "started_at": run["started_at"],
+                "finished_at": _now(),
+                "wall_time_s": math.fsum(float(d["seconds"]) for d in lines),
+                **provenance(),
+                "hardware": hardware(run["backend"]),
+                "argv": sys.argv,
+            },
+            "files": {
+                "scores": {"path": SCORES_FILE, "sha256": sha256_file(path), "lines": len(lines)},
+                "log": LOG_FILE,
+            },
+        }
+    )
+    errors = lm_schema_errors(record)
+    if errors:
+        raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
+    write_json_atomic(directory / RECORD_FILE, record)
+    _log(directory / LOG_FILE, f"record {cell.key} bits_per_byte={record['results']['score']['mean']}")
+    return directory / RECORD_FILE
+
+
+def lm_baseline(suite: LmSuite) -> LmCell | None:
+    """The full-cache cell without a mixer (the first method with mode ``none``)."""
+    return next((c for c in suite.cells if c.compaction.mode == "none" and c.mixer is None), None)
+
+
+def read_lines(directory: Path) -> list[dict[str, Any]]:
+    path = directory / SCORES_FILE
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def attach_lm_comparisons(suite: LmSuite, output: str | Path) -> None:
+    """Give every other record of ``suite`` its paired comparison with the baseline record."""
+    base = lm_baseline(suite)
+    if base is None:
+        return
+    base_dir = lm_cell_dir(output, base)
+    if not (base_dir / RECORD_FILE).exists():
+        return
+    baseline = json.loads((base_dir / RECORD_FILE).read_text())
+    base_lines = read_lines(base_dir)
+    for cell in suite.cells:
+        if cell is base:
+            continue
+        path = lm_cell_dir(output, cell) / RECORD_FILE
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        lines = [d for d in read_lines(path.parent) if int(d["seed"]) in cell.seeds]
+        comp = lm_comparison(lines, base_lines, cell.score_after)
+        if comp is not None:
+            comp["baseline_content_sha256"] = baseline["content_sha256"]
+            comp = finite(comp)
+        if comp != record.get("comparison_vs_none"):
+            record["comparison_vs_none"] = comp
+            write_json_atomic(path, seal(record))
