@@ -546,5 +546,5 @@ def _warn_if_budget_cannot_hold(config: CompactionConfig, prompt_len: int) -> No
             f"plus compact_window ({window}) exceed it, so the cache grows past the budget; raise "
             "max_kv_len, lower compact_window, or set protect_prompt=False",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
