@@ -68,8 +68,9 @@ class EngineWorker:
         session_ttl_s: close sessions created here after this long idle (``None``: never).
         metrics: where to record batches, tokens, events and sessions.
         decode: ``token_ids -> final_text``; run on the worker thread after each request.
-        continuous: admit new requests into running work at every round (``False``: only once
-            nothing runs, i.e. one batch runs to completion before the next starts).
+        continuous: admit new requests into running work at every round (``False``: the former
+            one-shot batching, kept for comparison: a batch is admitted only once nothing runs and
+            answered when all of it is done).
         max_steps: decode steps per request per round (default: the engine's chunk, 32); new
             requests join at most this many tokens later.
         max_new_tokens_limit: refuse requests asking for more sampled tokens (``None``: no limit).
@@ -107,6 +108,7 @@ class EngineWorker:
         self._carry: Any = None  # the stop sentinel, pulled while collecting
         self._waiting: collections.deque[_Job] = collections.deque()  # pulled, not yet admitted or run
         self._running: dict[str, _Job] = {}  # session id -> its job generating in the engine
+        self._done: list[tuple[_Job, StepResult]] = []  # one-shot: results held until the batch ends
         self._last_batch = 0  # jobs in the last admission: >1 means clients are concurrent
         self._served: set[str] = set()  # sessions answered since the worker was last idle
         self._expected: set[str] = set()  # open sessions served before going idle (likely to return)
@@ -137,7 +139,13 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._pending
+        """Requests received and not yet admitted (queued, or waiting for a place or their session)."""
+        return self._pending + len(self._waiting)
+
+    @property
+    def running_requests(self) -> int:
+        """Requests admitted into the engine and not yet answered."""
+        return len(self._running) + len(self._done)
 
     @property
     def alive(self) -> bool:
@@ -232,8 +240,9 @@ class EngineWorker:
         new request joins the running ones at the next round (continuous batching).
         """
         if not self._running and not self._waiting:
-            self._expected = self._served & set(self.engine.session_ids)
-            self._served = set()
+            if self._served:  # the sessions answered since the worker was last idle will likely return
+                self._expected = self._served & set(self.engine.session_ids)
+                self._served = set()
             job = self._next(timeout=self._sweep_interval())
             self._sweep_expired()
             if job is None:
@@ -458,6 +467,7 @@ class EngineWorker:
             for sid in [s for s in self._last_used if s not in open_now]:
                 self._last_used.pop(sid)
             self._update_gauges()
+            self._answer_done()
             return
         self.metrics.batch_latency.observe(time.monotonic() - t0)
         self._record(results)
@@ -469,7 +479,15 @@ class EngineWorker:
                 continue
             self._last_used[sid] = now
             self._served.add(sid)
-            self._complete(job, result, batch_size=job.batch_size)
+            self._done.append((job, result))
+        self._answer_done()
+
+    def _answer_done(self) -> None:
+        """Answer the finished jobs (one-shot batching: only once the whole batch is done)."""
+        if self.continuous or not self._running:
+            done, self._done = self._done, []
+            for job, result in done:
+                self._complete(job, result, batch_size=job.batch_size)
 
     def _cancel_abandoned(self) -> None:
         """Stop running creates whose client went away: their sessions are closed, their slots freed.

@@ -187,7 +187,7 @@ def test_concurrent_clients_with_disconnects_poison_and_ttl_account_for_every_sl
 
         def all_free() -> bool:
             health = httpx.get(f"{url}/health").json()
-            return health["free_slots"] == slots and health["sessions"] == 0
+            return health["free_slots"] == slots and health["sessions"] == 0 and health["running_requests"] == 0
 
         assert wait_until(all_free, timeout=60), httpx.get(f"{url}/health").json()
         assert engine.num_free_slots == slots and engine.running_session_ids == []
