@@ -71,6 +71,7 @@ class Work:
     created: bool = False  # the work opened its session (a create)
     started: float = 0.0  # perf_counter when its input began
     prefill_s: float = 0.0
+    decode_from: float = 0.0  # perf_counter when its prefill ended
 
 
 class Scheduler:
@@ -237,13 +238,14 @@ class Scheduler:
         messages = [self._make_room(w) for w in works]
         for w, msgs in zip(works, messages):
             self._take_input(w, msgs)
+        t1 = time.perf_counter()
         self._feed([w for w in works if w.session.pending])
         for w in works:
             if w.logits is None:
                 w.logits, w.session.last_logits = w.session.last_logits, None
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         for w in works:
-            w.started, w.prefill_s = t0, t1 - t0
+            w.started, w.prefill_s, w.decode_from = t0, t2 - t1, t2
             s, budget = w.session, w.session.config.max_total_tokens
             if budget is not None and s.generated >= budget:
                 self._finish(w, "budget")
@@ -272,7 +274,7 @@ class Scheduler:
         self._after_response(done)
         t = time.perf_counter()
         for w in done:
-            timings = {"prefill": w.prefill_s, "decode": t - w.started - w.prefill_s, "total": t - w.started}
+            timings = {"prefill": w.prefill_s, "decode": t - w.decode_from, "total": t - w.started}
             out.append((w, self._result(w, timings)))
         return out
 
