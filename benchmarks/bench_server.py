@@ -16,6 +16,15 @@ tokens/s, the ratio, client-side p50/p99 step latency and the mean engine batch 
 
     python benchmarks/bench_server.py                      # tiny random model, CPU
     python benchmarks/bench_server.py --model Qwen/Qwen3-0.6B --device cuda --sessions 64
+
+``--scenario head-of-line`` measures instead the latency of a small request (``--probe-tokens``
+greedy tokens) sent while long requests (``--long-tokens``, KV-budget compaction so they never
+fill a slot) keep the server busy: a client re-sends a long request as soon as the previous one
+returns, and ``--probes`` small requests are sent one after another meanwhile. It runs against a
+server with one-shot batching (``--no-continuous-batching``: a batch runs to completion, the
+former behaviour) and one with continuous batching, and prints p50/p99 of both and their ratio.
+
+    python benchmarks/bench_server.py --scenario head-of-line --threads 1
 """
 
 from __future__ import annotations
@@ -91,10 +100,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (server and in-process)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--no-engine-baseline", action="store_true", help="skip the in-process engine measurement")
+    p.add_argument("--scenario", choices=("throughput", "head-of-line"), default="throughput")
+    p.add_argument("--long-tokens", type=int, default=1000, help="head-of-line: tokens of each long request")
+    p.add_argument("--probe-tokens", type=int, default=2, help="head-of-line: tokens of each small request")
+    p.add_argument("--probes", type=int, default=12, help="head-of-line: small requests per mode")
+    p.add_argument("--probe-gap-s", type=float, default=0.05, help="head-of-line: pause between small requests")
+    p.add_argument("--round-steps", type=int, default=None, help="the server's --round-steps (default: its own)")
     return p.parse_args(argv)
 
 
-def start_server(args: argparse.Namespace, model: str) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, model: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -105,7 +120,9 @@ def start_server(args: argparse.Namespace, model: str) -> tuple[subprocess.Popen
         cmd += ["--torch-threads", str(args.threads)]
     if args.max_batch_wait_ms is not None:
         cmd += ["--max-batch-wait-ms", str(args.max_batch_wait_ms)]
-    proc = subprocess.Popen(cmd)
+    if getattr(args, "round_steps", None) is not None:
+        cmd += ["--round-steps", str(args.round_steps)]
+    proc = subprocess.Popen(cmd + list(extra))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -220,8 +237,90 @@ def _engine_ceiling(args: argparse.Namespace, model: str) -> tuple[float, float]
     return rates[0], rates[1]
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] * 1000 if xs else float("nan")
+
+
+def probe_latencies(url: str, args: argparse.Namespace, vocab: int) -> tuple[list[float], int]:
+    """Small-request latencies (s) while a client keeps one long request running; long requests served."""
+    import threading
+
+    stop = threading.Event()
+    served = [0]
+    long_body = {
+        "prompt_ids": _stream(args, 1, vocab)[:16], "max_new_tokens": args.long_tokens, "ignore_eos": True,
+        "temperature": 0.0, "max_kv_len": 256, "compact_window": 128, "mode": "markovian",
+    }  # fmt: skip
+
+    def hog() -> None:
+        with httpx.Client(timeout=600) as c:
+            while not stop.is_set():
+                assert c.post(f"{url}/compact_generate", json=long_body).status_code == 200
+                served[0] += 1
+
+    small = {"prompt_ids": _stream(args, 2, vocab)[:8], "max_new_tokens": args.probe_tokens, "temperature": 0.0,
+             "ignore_eos": True}  # fmt: skip
+    latencies: list[float] = []
+    thread = threading.Thread(target=hog, daemon=True)
+    with httpx.Client(timeout=600) as c:
+        c.post(f"{url}/compact_generate", json=small)  # warm-up
+        thread.start()
+        time.sleep(0.5)  # the first long request is running
+        for _ in range(args.probes):
+            t0 = time.perf_counter()
+            assert c.post(f"{url}/compact_generate", json=small).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(args.probe_gap_s)
+    stop.set()
+    thread.join(600)
+    return latencies, served[0]
+
+
+def head_of_line(args: argparse.Namespace, model: str) -> dict:
+    """p50/p99 of a small request's latency under long-request load, one-shot vs continuous batching."""
+    out: dict[str, dict] = {}
+    for name, flag in (("one-shot", "--no-continuous-batching"), ("continuous", "--continuous-batching")):
+        proc, url = start_server(argparse.Namespace(**{**vars(args), "sessions": 4}), model, (flag,))
+        try:
+            vocab = int(httpx.get(f"{url}/health").json()["vocab_size"])
+            lat, served = probe_latencies(url, args, vocab)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        out[name] = {"p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99), "max_ms": max(lat) * 1000,
+                     "probes": len(lat), "long_requests_served": served}  # fmt: skip
+    print(
+        f"\nhead-of-line: {args.probes} requests of {args.probe_tokens} tokens while {args.long_tokens}-token "
+        f"requests run back to back; model {args.model or 'tiny random'}, device {args.device}, "
+        f"torch threads {args.threads or 'default'}, round steps {args.round_steps or 'server default'}"
+    )
+    print(f"{'batching':<11} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'long served':>12}")
+    for name, r in out.items():
+        print(f"{name:<11} {r['p50_ms']:>9.1f} {r['p99_ms']:>9.1f} {r['max_ms']:>9.1f} {r['long_requests_served']:>12}")
+    ratio50 = out["one-shot"]["p50_ms"] / out["continuous"]["p50_ms"]
+    ratio99 = out["one-shot"]["p99_ms"] / out["continuous"]["p99_ms"]
+    print(f"small-request latency ratio (one-shot / continuous): p50 {ratio50:.1f}x, p99 {ratio99:.1f}x")
+    return {"args": vars(args), "runs": out, "ratio_p50": ratio50, "ratio_p99": ratio99}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.scenario == "head-of-line":
+        with tempfile.TemporaryDirectory() as tmp:
+            model = args.model
+            if model is None:
+                from compaction_gym.models.tiny import make_tiny_model
+
+                model = str(make_tiny_model(os.path.join(tmp, "tiny"), seed=args.seed))
+            out = head_of_line(args, model)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return out
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:

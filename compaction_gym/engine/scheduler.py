@@ -19,6 +19,11 @@
 4. **After the response** — turn-based compaction (and its budget message) per session that
    sampled tokens, or whose input ended with a complete (teacher-forced) response.
 
+Steps 1–2 are :meth:`Scheduler.begin` (the works join :attr:`Scheduler.running`), step 3 runs in
+rounds (:meth:`Scheduler.advance`: one decode chunk per round) and step 4 runs for the works that
+a round finished, so new works can join running ones between rounds (continuous batching);
+:meth:`Scheduler.run` is ``begin`` plus rounds until its works are done.
+
 :meth:`Scheduler.check` runs for every request before :meth:`Scheduler.run` changes anything: it
 plans the KV-budget compaction an input would trigger (pure arithmetic, nothing applied) and
 refuses an input that would not fit even then, so a batch either runs whole or changes nothing.
@@ -44,7 +49,7 @@ from compaction_gym.engine.types import StepResult
 from compaction_gym.errors import CapacityError, InvalidArgumentError, UnknownSessionError
 
 
-@dataclass
+@dataclass(eq=False)
 class Work:
     """One session's share of a :meth:`Scheduler.run` call."""
 
@@ -64,6 +69,10 @@ class Work:
     score_input: bool = False
     input_logprobs: list[float | None] | None = None
     input_entropies: list[float | None] | None = None
+    created: bool = False  # the work opened its session (a create)
+    started: float = 0.0  # perf_counter when its input began
+    prefill_s: float = 0.0
+    decode_from: float = 0.0  # perf_counter when its prefill ended
 
 
 class Scheduler:
@@ -90,6 +99,10 @@ class Scheduler:
         self.decode_text = decode_text
         self.prefill_chunk = prefill_chunk
         self.sessions: dict[str, Session] = {}
+        #: works fed by :meth:`begin` whose responses are not finished (continuous batching)
+        self.running: list[Work] = []
+        #: results finished by :meth:`run` for works it was not asked about; :meth:`advance` returns them
+        self.held: list[tuple[Work, StepResult]] = []
 
     # -------------------------------------------------------------- registry
     def get(self, session_id: str) -> Session:
@@ -155,7 +168,9 @@ class Scheduler:
         return new
 
     def drop(self, s: Session) -> None:
-        """Unregister ``s`` and free its slot."""
+        """Unregister ``s`` and free its slot (a running response of it is cancelled)."""
+        self.cancel(s)
+        self.held = [(w, r) for w, r in self.held if w.session is not s]
         self.sessions.pop(s.session_id, None)
         self.cache.release(s.slot)
 
@@ -199,7 +214,27 @@ class Scheduler:
         return spans, kv, message
 
     def run(self, works: list[Work]) -> list[StepResult]:
-        """Feed every work's input, generate its response, apply triggers; one result per work."""
+        """Feed every work's input, generate its response, apply triggers; one result per work.
+
+        Work already in flight (:meth:`begin` without the matching :meth:`advance` rounds) is
+        advanced too; its results are kept for the next :meth:`advance`.
+        """
+        self.begin(works)
+        mine = {id(w) for w in works}
+        results: dict[int, StepResult] = {}
+        while len(results) < len(works):
+            for w, r in self.advance():
+                if id(w) in mine:
+                    results[id(w)] = r
+                else:
+                    self.held.append((w, r))
+        return [results[id(w)] for w in works]
+
+    def begin(self, works: list[Work]) -> None:
+        """Input and one batched prefill for ``works``, which then join :attr:`running`.
+
+        Touches only these works' sessions: on an exception, the work already running is intact.
+        """
         t0 = time.perf_counter()
         messages = [self._make_room(w) for w in works]
         for w, msgs in zip(works, messages):
@@ -210,12 +245,51 @@ class Scheduler:
             if w.logits is None:
                 w.logits, w.session.last_logits = w.session.last_logits, None
         t2 = time.perf_counter()
-        self._decode(works)
-        t3 = time.perf_counter()
-        self._after_response(works)
-        t4 = time.perf_counter()
-        timings = {"prefill": t2 - t1, "decode": t3 - t2, "total": t4 - t0}
-        return [self._result(w, timings) for w in works]
+        for w in works:
+            w.started, w.prefill_s, w.decode_from = t0, t2 - t1, t2
+            s, budget = w.session, w.session.config.max_total_tokens
+            if budget is not None and s.generated >= budget:
+                self._finish(w, "budget")
+            elif w.params.max_new_tokens == 0:
+                self._finish(w, "length")
+            else:
+                s.last_response = (len(s.token_ids), len(s.token_ids))
+        self.running += works
+
+    def advance(self, max_steps: int | None = None) -> list[tuple[Work, StepResult]]:
+        """One decode round over :attr:`running`; the works that finished, with their results.
+
+        A round samples, feeds budget messages and runs one decode chunk of at most
+        ``max_steps`` (default ``runner.chunk_steps``) tokens per row. What a row does in a round
+        depends on that row alone, so results do not depend on which rounds a work shared with
+        which others (docs/engine.md, "Continuous batching").
+        """
+        out, self.held = self.held, []
+        active = [w for w in self.running if w.finish is None]
+        if active:
+            self._decode_round(active, self.runner.chunk_steps if max_steps is None else max_steps)
+        done = [w for w in self.running if w.finish is not None]
+        if not done:
+            return out
+        self.running = [w for w in self.running if w.finish is None]
+        self._after_response(done)
+        t = time.perf_counter()
+        for w in done:
+            timings = {"prefill": w.prefill_s, "decode": t - w.decode_from, "total": t - w.started}
+            out.append((w, self._result(w, timings)))
+        return out
+
+    def work_of(self, s: Session) -> Work | None:
+        """The running work of session ``s`` (``None`` when it is not generating)."""
+        return next((w for w in self.running if w.session is s), None)
+
+    def cancel(self, s: Session) -> bool:
+        """Stop ``s``'s running work where it stands (its result is dropped); whether there was one."""
+        w = self.work_of(s)
+        if w is None:
+            return False
+        self.running.remove(w)
+        return True
 
     def _make_room(self, w: Work) -> list[list[int]]:
         """KV-budget compaction before the input; returns the budget messages to inject after it.
@@ -314,37 +388,26 @@ class Scheduler:
                 w.input_logprobs[j - first] = lp
                 w.input_entropies[j - first] = h
 
-    def _decode(self, works: list[Work]) -> None:
-        active = []
-        for w in works:
-            s, budget = w.session, w.session.config.max_total_tokens
-            if budget is not None and s.generated >= budget:
-                self._finish(w, "budget")
-            elif w.params.max_new_tokens == 0:
-                self._finish(w, "length")
-            else:
-                s.last_response = (len(s.token_ids), len(s.token_ids))
-                active.append(w)
-        while active:
-            holding = [w for w in active if w.logits is not None]
-            if holding:
-                tokens, logprobs = sample(
-                    torch.stack([w.logits for w in holding]), [w.params for w in holding], [w.stream for w in holding]
-                )
-                for w, tok, lp in zip(holding, tokens, logprobs):
-                    w.logits = None
-                    if self._take_token(w, tok, lp):
-                        self._room_for_next(w)
-            active = [w for w in active if w.finish is None]
-            self._feed([w for w in active if len(w.session.pending) > 1])
-            self._decode_chunk([w for w in active if len(w.session.pending) == 1])
-            active = [w for w in active if w.finish is None]
+    def _decode_round(self, active: list[Work], horizon: int) -> None:
+        """Each row's next step: sample from held logits, feed a budget message, or run a decode chunk."""
+        holding = [w for w in active if w.logits is not None]
+        if holding:
+            tokens, logprobs = sample(
+                torch.stack([w.logits for w in holding]), [w.params for w in holding], [w.stream for w in holding]
+            )
+            for w, tok, lp in zip(holding, tokens, logprobs):
+                w.logits = None
+                if self._take_token(w, tok, lp):
+                    self._room_for_next(w)
+        active = [w for w in active if w.finish is None]
+        self._feed([w for w in active if len(w.session.pending) > 1])
+        self._decode_chunk([w for w in active if len(w.session.pending) == 1], horizon)
 
-    def _decode_chunk(self, works: list[Work]) -> None:
+    def _decode_chunk(self, works: list[Work], horizon: int) -> None:
         """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed."""
         if not works:
             return
-        limits = [self._free_steps(w, self.runner.chunk_steps) for w in works]
+        limits = [self._free_steps(w, horizon) for w in works]
         rows = [
             DecodeRow(w.session.slot, w.session.pending[0], w.session.fed, n, w.params, w.stream, w.stop_ids, w.session.probes)
             for w, n in zip(works, limits)

@@ -160,6 +160,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             "vocab_size": state.vocab_size,
             "eos_token_ids": state.eos_token_ids,
             "queue_depth": state.worker.queue_depth,
+            "running_requests": state.worker.running_requests,
             "uptime_s": time.time() - state.started,
         }
 

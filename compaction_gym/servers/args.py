@@ -60,6 +60,18 @@ class ServerArgs:
     max_batch_size: int | None = field(
         default=None, metadata={"help": "most requests in one step_batch (default: max_slots)"}
     )
+    continuous_batching: bool = field(
+        default=True,
+        metadata={
+            "help": "admit new requests into the running batch at every decode round (--no-continuous-batching: "
+            "a batch runs to completion before the next starts)"
+        },
+    )
+    round_steps: int | None = field(
+        default=None,
+        metadata={"help": "decode steps per request per round: new requests join at most this many tokens later "
+                  "(default: the engine's decode chunk, 32)"},
+    )
     # --- sessions ---
     session_ttl_s: float | None = field(
         default=600.0, metadata={"help": "close sessions idle this long, freeing their slots (0: never)"}
@@ -68,6 +80,19 @@ class ServerArgs:
     # --- request limits ---
     max_request_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "bodies larger than this get 413"}
+    )
+    max_new_tokens_limit: int | None = field(
+        default=32768,
+        metadata={"help": "requests asking for more sampled tokens (max_new_tokens, max_tokens) get 422 (0: no limit)"},
+    )
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata={"help": "prompts and step inputs longer than this get 422 (default: the KV capacity of a slot)"},
+    )
+    max_queue_s: float | None = field(
+        default=None,
+        metadata={"help": "a request not admitted into the running batch this long after it arrived gets 429 "
+                  "(nothing ran; default: it waits)"},
     )
 
     def __post_init__(self) -> None:
@@ -99,6 +124,16 @@ class ServerArgs:
             self.session_ttl_s = None
         if self.retry_after_s < 0:
             raise InvalidArgumentError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        for name in ("round_steps", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {value}")
+        if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 0:
+            raise InvalidArgumentError(f"max_new_tokens_limit must be >= 0 (0: no limit), got {self.max_new_tokens_limit}")
+        if self.max_new_tokens_limit == 0:
+            self.max_new_tokens_limit = None
+        if self.max_queue_s is not None and self.max_queue_s <= 0:
+            raise InvalidArgumentError(f"max_queue_s must be positive, got {self.max_queue_s}")
         if self.max_request_bytes <= 0:
             raise InvalidArgumentError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 

@@ -295,6 +295,7 @@ class HealthResponse(BaseModel):
     vocab_size: int
     eos_token_ids: list[int]
     queue_depth: int
+    running_requests: int = 0
     uptime_s: float
 
 

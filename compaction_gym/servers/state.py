@@ -43,6 +43,11 @@ class ServerState:
             session_ttl_s=args.session_ttl_s,
             metrics=self.metrics,
             decode=self.final_text,
+            continuous=args.continuous_batching,
+            max_steps=args.round_steps,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_queue_s=args.max_queue_s,
         )
 
     def final_text(self, token_ids: list[int]) -> str:

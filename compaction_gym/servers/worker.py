@@ -1,17 +1,24 @@
-"""The engine worker: one thread owns the (not thread-safe) engine; an auto-batcher feeds it.
+"""The engine worker: one thread owns the (not thread-safe) engine and schedules it continuously.
 
-Every engine call of the server goes through :class:`EngineWorker`, in arrival order. Create and
-step requests that are queued, or keep arriving at most ``batch_window_s`` apart (for at most
-``max_wait_s``), become one batch of at most ``max_batch_size``; its creates and steps run as one
-``Engine.step_batch``, each with its own parameters and RNG. The window is only waited
-while requests come concurrently (the previous batch held more than one), so a lone client never
-pays it. Anything else (close, stats, ...) is a plain job that ends the batch being collected, so
-the order of requests is kept. Idle sessions are closed after ``session_ttl_s``.
+Every engine call of the server goes through :class:`EngineWorker`, in arrival order. The worker
+loops over *rounds*: at each round boundary it admits the waiting create and step requests into
+the running work (``Engine.submit``: validation and one batched prefill), then runs one decode
+round over everything running (``Engine.advance``: at most one decode chunk per request) and
+answers the requests that finished. So a short request sent while a long one runs joins it at the
+next round instead of waiting for it (continuous batching, as vLLM and nano-vllm schedule), and
+each request keeps its own parameters and RNG, so results equal running the requests one by one.
+While idle, requests that are queued or keep arriving at most ``batch_window_s`` apart (for at
+most ``max_wait_s``) are admitted together (one prefill); the window is only waited while
+requests come concurrently, so a lone client never pays it. Anything else (close, ...) is a plain
+job that runs at a boundary once the requests that arrived before it were admitted. A request's
+cost is bounded at admission (``max_new_tokens_limit``, ``max_prompt_tokens``, ``max_queue_s``).
+Idle sessions are closed after ``session_ttl_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -26,7 +33,7 @@ from typing import Any, Literal
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import CreateRequest, StepRequest, StepResult
-from compaction_gym.errors import CapacityError, CompactionGymError, UnknownSessionError
+from compaction_gym.errors import CapacityError, CompactionGymError, InvalidArgumentError, UnknownSessionError
 from compaction_gym.servers.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: bool = False  # the worker has set the result (under ``lock``)
     abandoned: bool = False  # the caller went away (under ``lock``)
+    batch_size: int = 0  # requests admitted with it (one ``Engine.submit``)
 
 
 class EngineWorker:
@@ -60,6 +68,14 @@ class EngineWorker:
         session_ttl_s: close sessions created here after this long idle (``None``: never).
         metrics: where to record batches, tokens, events and sessions.
         decode: ``token_ids -> final_text``; run on the worker thread after each request.
+        continuous: admit new requests into running work at every round (``False``: the former
+            one-shot batching, kept for comparison: a batch is admitted only once nothing runs and
+            answered when all of it is done).
+        max_steps: decode steps per request per round (default: the engine's chunk, 32); new
+            requests join at most this many tokens later.
+        max_new_tokens_limit: refuse requests asking for more sampled tokens (``None``: no limit).
+        max_prompt_tokens: refuse prompts and step inputs longer than this (``None``: the slot).
+        max_queue_s: refuse (429) a request not admitted this long after it arrived (``None``: wait).
     """
 
     def __init__(
@@ -72,6 +88,11 @@ class EngineWorker:
         session_ttl_s: float | None = None,
         metrics: Metrics | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        continuous: bool = True,
+        max_steps: int | None = None,
+        max_new_tokens_limit: int | None = None,
+        max_prompt_tokens: int | None = None,
+        max_queue_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.batch_window_s = batch_window_s
@@ -81,9 +102,16 @@ class EngineWorker:
         self.metrics = metrics or Metrics()
         self.decode = decode or (lambda ids: "")
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # _Job or _STOP
-        self._carry: _Job | None = None  # a job pulled while collecting that starts the next round
-        self._last_batch = 0  # jobs in the previous batch: >1 means clients are concurrent
-        self._expected: set[str] = set()  # open sessions served by the previous batch (likely to return)
+        self.continuous, self.max_steps = continuous, max_steps
+        self.max_new_tokens_limit, self.max_prompt_tokens = max_new_tokens_limit, max_prompt_tokens
+        self.max_queue_s = max_queue_s
+        self._carry: Any = None  # the stop sentinel, pulled while collecting
+        self._waiting: collections.deque[_Job] = collections.deque()  # pulled, not yet admitted or run
+        self._running: dict[str, _Job] = {}  # session id -> its job generating in the engine
+        self._done: list[tuple[_Job, StepResult]] = []  # one-shot: results held until the batch ends
+        self._last_batch = 0  # jobs in the last admission: >1 means clients are concurrent
+        self._served: set[str] = set()  # sessions answered since the worker was last idle
+        self._expected: set[str] = set()  # open sessions served before going idle (likely to return)
         self._last_used: dict[str, float] = {}  # sessions created through this worker
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._pending = 0
@@ -111,7 +139,13 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._pending
+        """Requests received and not yet admitted (queued, or waiting for a place or their session)."""
+        return self._pending + len(self._waiting)
+
+    @property
+    def running_requests(self) -> int:
+        """Requests admitted into the engine and not yet answered."""
+        return len(self._running) + len(self._done)
 
     @property
     def alive(self) -> bool:
@@ -199,53 +233,74 @@ class EngineWorker:
         self._drain()
 
     def _iteration(self) -> bool:
-        """Run the next call, or the next batch of create/step jobs; ``False`` once stopped."""
-        job = self._next(timeout=self._sweep_interval())
-        self._sweep_expired()
-        if job is None:
-            return True
-        if job is _STOP:
-            return False
-        if job.kind == "call":
-            self._run_call(job)
-            return True
-        batch = [job]
-        self._collect(batch)
-        self._last_batch = len(batch)
-        try:
-            self._run_batch(batch)
-        finally:  # whatever happened, no caller waits forever
-            for j in batch:
-                if not j.future.done():
-                    self._fail(j, RuntimeError("the engine worker failed to run this request"))
+        """One round boundary: take new jobs, admit those that may join, run one decode round.
+
+        ``False`` once stopped. While nothing runs, it blocks for the next job (and collects a
+        batch, see :meth:`_collect`); while work runs, it only takes what is already queued, so a
+        new request joins the running ones at the next round (continuous batching).
+        """
+        if not self._running and not self._waiting:
+            if self._served:  # the sessions answered since the worker was last idle will likely return
+                self._expected = self._served & set(self.engine.session_ids)
+                self._served = set()
+            job = self._next(timeout=self._sweep_interval())
+            self._sweep_expired()
+            if job is None:
+                return True
+            if job is _STOP:
+                return False
+            self._waiting.append(job)
+            if job.kind != "call":
+                self._collect()
+        else:
+            if not self._pull():
+                return False
+            self._sweep_expired()
+        self._cancel_abandoned()
+        self._admit()
+        if self._running:
+            self._round()
         return True
 
-    def _collect(self, batch: list[_Job]) -> None:
-        """Add queued and arriving create/step jobs to ``batch`` (the batching policy).
+    def _pull(self) -> bool:
+        """Move every queued job to the waiting list without blocking; ``False`` on the stop sentinel."""
+        while True:
+            job = self._next(timeout=0)
+            if job is None:
+                return True
+            if job is _STOP:
+                return False
+            self._waiting.append(job)
 
-        * Sessions of the previous step batch are awaited for up to ``max_wait_s``: clients that
-          step in lockstep (a vector of envs) return as a stream while the previous responses are
-          still being sent, and a batch that starts early leaves the rest for a second batch.
-        * Then the batch keeps collecting while requests arrive at most ``batch_window_s`` apart,
-          still never past ``max_wait_s`` after its first job.
-        * Only while requests come concurrently (the previous batch held more than one): a lone
-          client never waits.
+    def _collect(self) -> None:
+        """Add queued and arriving jobs to the waiting list while the worker is idle (the batching policy).
+
+        * Sessions served since the worker was last idle are awaited for up to ``max_wait_s``:
+          clients that step in lockstep (a vector of envs) return as a stream while the previous
+          responses are still being sent, and a batch that starts early leaves the rest for a
+          second prefill.
+        * Then collection goes on while requests arrive at most ``batch_window_s`` apart, still
+          never past ``max_wait_s`` after the first job.
+        * Only while requests come concurrently (the last admission held more than one): a lone
+          client never waits. A call (close, ...) ends the collection, keeping the arrival order.
         """
         concurrent = self._last_batch > 1 or len(self._expected) > 1
         window = self.batch_window_s if concurrent else 0.0
         expected = self._expected if concurrent else set()
         now = time.monotonic()
         cap, deadline = now + self.max_wait_s, now + window
-        missing = expected - {j.payload.get("session_id") for j in batch}
-        while len(batch) < self.max_batch_size:
+        missing = expected - {j.payload.get("session_id") for j in self._waiting}
+        while len(self._waiting) < self.max_batch_size:
             until = cap if missing else min(deadline, cap)
             nxt = self._next(timeout=until - time.monotonic())
             if nxt is None:
                 break
-            if nxt is _STOP or nxt.kind == "call":
-                self._carry = nxt  # keeps arrival order: it runs right after this batch
+            if nxt is _STOP:
+                self._carry = nxt
                 break
-            batch.append(nxt)
+            self._waiting.append(nxt)
+            if nxt.kind == "call":
+                break
             missing.discard(nxt.payload.get("session_id"))
             deadline = time.monotonic() + window
 
@@ -264,7 +319,18 @@ class EngineWorker:
             self.metrics.queue_depth.set(self._pending)
         return job
 
+    def _shutdown(self) -> None:
+        """Fail the jobs not yet admitted, let the running ones finish (bounded by the limits)."""
+        for job in self._waiting:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("the server is shutting down"))
+        self._waiting.clear()
+        while self._running:
+            self._cancel_abandoned()
+            self._round()
+
     def _drain(self) -> None:
+        self._shutdown()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -284,51 +350,162 @@ class EngineWorker:
         else:
             self._finish(job, result)
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        """Run create/step jobs in as few ``step_batch`` calls as correctness allows."""
-        live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-        try:
-            self._run_rounds(live)
-        finally:  # these sessions' clients are likely to step again, together
-            served = (
-                j.future.result()[0].session_id for j in live if j.future.done() and not j.future.exception()
-            )
-            self._expected = set(served) & set(self.engine.session_ids)
+    # ------------------------------------------------------------------ admission and rounds
+    def _admit(self) -> None:
+        """Admit waiting create/step jobs into the running work, in arrival order.
 
-    def _run_rounds(self, live: list[_Job]) -> None:
+        A job waits while its session is generating (or an earlier job of it waits), while
+        ``max_batch_size`` requests run, and — without continuous batching — until nothing runs;
+        a call waits until every job that arrived before it was admitted. A job that has waited
+        longer than ``max_queue_s`` is refused (429: nothing ran).
+        """
+        if not self.continuous and self._running:
+            return
         now = time.monotonic()
-        for j in live:
-            self.metrics.queue_wait.observe(now - j.enqueued)
-        # A session may appear at most once per engine batch; later steps of it wait for a round.
-        while live:
-            seen: set[str] = set()
-            round_, rest = [], []
-            for j in live:
-                sid = j.payload.get("session_id")
-                if j.kind == "step" and sid in seen:
-                    rest.append(j)
-                else:
-                    if sid is not None:
-                        seen.add(sid)
-                    round_.append(j)
-            self._run_round(round_)
-            live = rest
-
-    def _run_round(self, jobs: list[_Job]) -> None:
-        """Every create and step of the round in one ``Engine.step_batch``."""
-        ready: list[tuple[_Job, StepRequest | CreateRequest]] = []
-        for job in jobs:
+        busy = set(self._running)
+        batch: list[tuple[_Job, StepRequest | CreateRequest]] = []
+        keep: collections.deque[_Job] = collections.deque()
+        barrier = False
+        while self._waiting:
+            job = self._waiting.popleft()
+            if job.kind == "call":
+                if barrier:
+                    keep.append(job)
+                    continue
+                self._submit_batch(batch)
+                batch = []
+                self._run_call(job)
+                busy = set(self._running)
+                continue
+            sid = job.payload.get("session_id")
+            full = len(self._running) + len(batch) >= self.max_batch_size
+            if full or (sid is not None and sid in busy):
+                if self.max_queue_s is not None and now - job.enqueued > self.max_queue_s:
+                    if job.future.set_running_or_notify_cancel():
+                        self._fail(job, CapacityError(
+                            f"the request waited {now - job.enqueued:.1f} s without a place among the running "
+                            f"requests (the server's max_queue_s is {self.max_queue_s:g}); nothing ran, retry later"
+                        ))  # fmt: skip
+                    continue
+                keep.append(job)
+                barrier = True
+                if sid is not None:
+                    busy.add(sid)  # later jobs of this session wait behind it
+                continue
+            if not job.future.set_running_or_notify_cancel():
+                continue  # cancelled while queued: never runs
+            self.metrics.queue_wait.observe(now - job.enqueued)
             try:
-                ready.append(
-                    (job, self._prepare_create(job) if job.kind == "create" else self._prepare_step(job))
-                )
+                req = self._prepare_create(job) if job.kind == "create" else self._prepare_step(job)
             except Exception as exc:  # noqa: BLE001
                 self._fail(job, exc)
-        if ready:
-            self._execute(ready)
+                continue
+            batch.append((job, req))
+            if sid is not None:
+                busy.add(sid)
+        self._waiting = keep
+        self._submit_batch(batch)
+
+    def _submit_batch(self, ready: list[tuple[_Job, StepRequest | CreateRequest]]) -> None:
+        """One ``Engine.submit`` (validation and one prefill) for ``ready``; a rejected request fails alone.
+
+        ``Engine.submit`` validates the whole batch before anything changes, and its typed error
+        names the offending request (``request_index``): that request fails and the others are
+        submitted again (without an index, one by one). An untyped exception the engine marks
+        ``batch_unchanged`` (raised while validating or opening sessions) is isolated the same
+        way. Any other exception came from the prefill itself: no single request can be blamed
+        and their sessions may have changed, so every request of this submission fails rather
+        than being replayed (a replay could apply a step twice); the running work is intact.
+        """
+        while ready:
+            try:
+                sids = self.engine.submit([r for _, r in ready])
+            except CompactionGymError as exc:
+                index = getattr(exc, "request_index", None)
+                if len(ready) == 1:
+                    self._fail(ready[0][0], exc)
+                    return
+                if isinstance(index, int) and 0 <= index < len(ready):
+                    self._fail(ready[index][0], exc)
+                    ready = ready[:index] + ready[index + 1 :]
+                    continue
+                logger.info("submission of %d rejected (%s); submitting its requests one by one", len(ready), exc)
+                for item in ready:
+                    self._submit_batch([item])
+                return
+            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+                index = getattr(exc, "request_index", None)
+                if getattr(exc, "batch_unchanged", False) and isinstance(index, int) and 0 <= index < len(ready):
+                    logger.warning("request %d of a batch failed before it ran: %r", index, exc)
+                    self._fail(ready[index][0], exc)
+                    ready = ready[:index] + ready[index + 1 :]
+                    continue
+                for job, _ in ready:
+                    self._fail(job, exc)
+                return
+            self._last_batch = len(ready)
+            self.metrics.batch_size.observe(len(ready))
+            for (job, _), sid in zip(ready, sids):
+                job.batch_size = len(ready)
+                self._running[sid] = job
+                if job.kind == "create":
+                    self._opened(sid)
+            return
+
+    def _round(self) -> None:
+        """One ``Engine.advance``; complete the jobs it finished. A failed round fails the jobs it lost."""
+        t0 = time.monotonic()
+        try:
+            results = self.engine.advance(self.max_steps)
+        except Exception as exc:  # noqa: BLE001 - fail the lost requests, keep serving
+            lost = getattr(exc, "lost_session_ids", None)
+            for sid in list(self._running) if lost is None else lost:
+                job = self._running.pop(sid, None)
+                if job is not None:
+                    self._fail(job, exc)
+            open_now = set(self.engine.session_ids)  # the sessions the lost creates opened are closed
+            for sid in [s for s in self._last_used if s not in open_now]:
+                self._last_used.pop(sid)
+            self._update_gauges()
+            self._answer_done()
+            return
+        self.metrics.batch_latency.observe(time.monotonic() - t0)
+        self._record(results)
+        now = time.monotonic()
+        for result in results:
+            sid = result.session_id
+            job = self._running.pop(sid, None)
+            if job is None:  # not submitted through this worker
+                continue
+            self._last_used[sid] = now
+            self._served.add(sid)
+            self._done.append((job, result))
+        self._answer_done()
+
+    def _answer_done(self) -> None:
+        """Answer the finished jobs (one-shot batching: only once the whole batch is done)."""
+        if self.continuous or not self._running:
+            done, self._done = self._done, []
+            for job, result in done:
+                self._complete(job, result, batch_size=job.batch_size)
+
+    def _cancel_abandoned(self) -> None:
+        """Stop running creates whose client went away: their sessions are closed, their slots freed.
+
+        A running step goes on (its session has advanced; its cost is bounded by the limits).
+        """
+        for sid, job in list(self._running.items()):
+            with job.lock:
+                abandoned = job.abandoned
+            if abandoned and job.kind == "create":
+                self._running.pop(sid)
+                with contextlib.suppress(UnknownSessionError):
+                    self._close(sid, "cancelled")
+                self._fail(job, RuntimeError("the client went away"), quiet=True)
 
     def _prepare_create(self, job: _Job) -> CreateRequest:
         p = job.payload
+        self._check_limits(p["sampling"] or SamplingParams(), p["prompt_ids"], "prompt_ids")
         return CreateRequest(
             list(p["prompt_ids"]), p["config"], p["sampling"], p["session_id"], bool(p.get("score_input", False))
         )
@@ -342,60 +519,26 @@ class EngineWorker:
             sampling = SamplingParams(**overrides)
         elif overrides:  # partial overrides start from the session's defaults
             sampling = self.engine.session(sid).sampling.replace(**overrides)
+        self._check_limits(sampling, p["new_ids"], "new_token_ids")
         return StepRequest(
             sid, list(p["new_ids"]), sampling, bool(p.get("response_complete", False)), bool(p.get("score_input", False))
         )
 
-    def _execute(self, ready: list[tuple[_Job, StepRequest | CreateRequest]]) -> None:
-        """One ``step_batch`` for all ``ready`` creates and steps; a rejected request fails alone.
-
-        ``Engine.step_batch`` validates the whole batch before anything changes, and its typed
-        error names the offending request (``request_index``): that request fails and the others
-        run again as one batch (without an index they run one by one). An untyped exception the
-        engine marks ``batch_unchanged`` (raised while validating or opening sessions) is isolated
-        the same way. Any other exception came from the batched computation itself: no single
-        request can be blamed and sessions may have changed, so every request of the batch fails
-        rather than being replayed (a replay could apply a step twice).
-        """
-        while ready:
-            t0 = time.monotonic()
-            try:
-                results = self.engine.step_batch([r for _, r in ready])
-            except CompactionGymError as exc:
-                index = getattr(exc, "request_index", None)
-                if len(ready) == 1:
-                    self._fail(ready[0][0], exc)
-                    return
-                if isinstance(index, int) and 0 <= index < len(ready):
-                    self._fail(ready[index][0], exc)
-                    ready = ready[:index] + ready[index + 1 :]
-                    continue
-                logger.info(
-                    "step_batch of %d rejected (%s); running its requests one by one", len(ready), exc
-                )
-                for item in ready:
-                    self._execute([item])
-                return
-            except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
-                index = getattr(exc, "request_index", None)
-                if getattr(exc, "batch_unchanged", False) and isinstance(index, int) and 0 <= index < len(ready):
-                    # raised before any session advanced (validation, opening a session): only the
-                    # culprit fails, the others run again as one batch
-                    logger.warning("request %d of a batch failed before it ran: %r", index, exc)
-                    self._fail(ready[index][0], exc)
-                    ready = ready[:index] + ready[index + 1 :]
-                    continue
-                for job, _ in ready:
-                    self._fail(job, exc)
-                return
-            self._record(results, time.monotonic() - t0, batch_size=len(ready))
-            now = time.monotonic()
-            for (job, _), result in zip(ready, results):
-                if job.kind == "create":
-                    self._opened(result.session_id)
-                self._last_used[result.session_id] = now
-                self._complete(job, result, batch_size=len(ready))
-            return
+    def _check_limits(self, sampling: SamplingParams | None, ids: list[int], ids_field: str) -> None:
+        """Refuse a request whose cost exceeds the server's limits, before it runs (422 naming the field)."""
+        limit = self.max_new_tokens_limit
+        if limit is not None and sampling is not None and sampling.max_new_tokens > limit:
+            raise _field_error(
+                "max_new_tokens",
+                f"max_new_tokens={sampling.max_new_tokens} exceeds this server's limit of {limit} "
+                "(--max-new-tokens-limit); ask for fewer tokens and continue with another step",
+            )
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise _field_error(
+                ids_field,
+                f"{ids_field} has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens} "
+                "per request (--max-prompt-tokens)",
+            )
 
     def _complete(self, job: _Job, result: StepResult, batch_size: int) -> None:
         try:
@@ -415,9 +558,9 @@ class EngineWorker:
         if abandoned:
             self._undo(job)
 
-    def _fail(self, job: _Job, exc: BaseException) -> None:
+    def _fail(self, job: _Job, exc: BaseException, *, quiet: bool = False) -> None:
         self.metrics.errors.inc(type=type(exc).__name__)
-        if not isinstance(exc, UnknownSessionError | CapacityError | ValueError):
+        if not quiet and not isinstance(exc, UnknownSessionError | CapacityError | ValueError):
             logger.exception("engine job %s failed", job.kind, exc_info=exc)
         job.future.set_exception(exc)
         with job.lock:
@@ -462,6 +605,9 @@ class EngineWorker:
         self._expected.discard(sid)
         self.metrics.sessions_closed.inc(reason=reason)
         self._update_gauges()
+        job = self._running.pop(sid, None)  # closing a generating session cancels its request
+        if job is not None:
+            self._fail(job, UnknownSessionError(f"session {sid!r} was closed ({reason}) while generating"))
 
     def _sweep_interval(self) -> float:
         if self.session_ttl_s is None:
@@ -472,7 +618,8 @@ class EngineWorker:
         if self.session_ttl_s is None or not self._last_used:
             return
         cutoff = time.monotonic() - self.session_ttl_s
-        for sid in [s for s, t in self._last_used.items() if t < cutoff]:
+        in_use = set(self._running) | {j.payload.get("session_id") for j in self._waiting}
+        for sid in [s for s, t in self._last_used.items() if t < cutoff and s not in in_use]:
             try:
                 self._close(sid, "ttl")
             except UnknownSessionError:  # closed behind our back (e.g. directly on the engine)
@@ -490,10 +637,8 @@ class EngineWorker:
         except Exception:  # noqa: BLE001 - gauges are best effort
             pass
 
-    def _record(self, results: list[StepResult], elapsed: float, batch_size: int) -> None:
+    def _record(self, results: list[StepResult]) -> None:
         m = self.metrics
-        m.batch_size.observe(batch_size)
-        m.batch_latency.observe(elapsed)
         for r in results:
             sampled = sum(r.completion_mask)
             m.tokens.inc(r.prompt_len, kind="prompt")
@@ -501,3 +646,10 @@ class EngineWorker:
             m.tokens.inc(len(r.token_ids) - sampled, kind="injected")
             for e in r.events:
                 m.compaction_events.inc(mode=str(e.mode), trigger=str(e.trigger))
+
+
+def _field_error(param: str, message: str) -> InvalidArgumentError:
+    """An ``InvalidArgumentError`` whose ``param`` names the request field (the 422 body's ``param``)."""
+    exc = InvalidArgumentError(message)
+    exc.param = param  # type: ignore[attr-defined]
+    return exc

@@ -1,4 +1,4 @@
-"""Creates batched with steps: the worker's one ``step_batch`` per round, and the HTTP path to it."""
+"""Creates batched with steps: the worker's one ``Engine.submit`` per admission, and the HTTP path to it."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ FEED = SamplingParams(temperature=0.0, max_new_tokens=0, seed=0)
 
 
 def _spy(engine) -> list[list[str]]:
-    """Record the request kinds of every ``engine.step_batch`` call."""
+    """Record the request kinds of every ``engine.submit`` call (the worker's admissions)."""
     calls: list[list[str]] = []
-    real = engine.step_batch
+    real = engine.submit
 
-    def step_batch(requests):
+    def submit(requests):
         calls.append([type(r).__name__ for r in requests])
         return real(requests)
 
-    engine.step_batch = step_batch
+    engine.submit = submit
     return calls
 
 
@@ -64,7 +64,7 @@ def worker_and_reference(tiny_model_path):
     worker.stop()
 
 
-def test_creates_and_steps_of_a_round_run_as_one_engine_batch(worker_and_reference):
+def test_creates_and_steps_admitted_together_run_as_one_engine_batch(worker_and_reference):
     worker, engine, reference = worker_and_reference
     engine.close("b")
     reference.close("b")

@@ -28,6 +28,12 @@ def test_flags_map_onto_server_args():
     assert (args.model, args.max_slots, args.batch_window_ms) == ("m", 3, 2.5)
     assert args.session_ttl_s is None  # 0 disables expiry
     assert _args([]) == ServerArgs()
+    limits = _args(["--no-continuous-batching", "--round-steps", "4", "--max-new-tokens-limit", "0",
+                    "--max-prompt-tokens", "100", "--max-queue-s", "2.5"])  # fmt: skip
+    assert not limits.continuous_batching and limits.round_steps == 4
+    assert limits.max_new_tokens_limit is None  # 0: no limit
+    assert (limits.max_prompt_tokens, limits.max_queue_s) == (100, 2.5)
+    assert ServerArgs().continuous_batching and ServerArgs().max_new_tokens_limit == 32768
 
 
 def test_config_file_is_merged_and_flags_win(tmp_path):
@@ -45,6 +51,9 @@ def test_invalid_values_name_the_field():
         ServerArgs(dtype="float8")
     with pytest.raises(InvalidArgumentError, match="batch_window_ms"):
         ServerArgs(batch_window_ms=-1)
+    for name, bad in (("round_steps", 0), ("max_prompt_tokens", -3), ("max_new_tokens_limit", -1), ("max_queue_s", 0)):
+        with pytest.raises(InvalidArgumentError, match=name):
+            ServerArgs(**{name: bad})
 
 
 def test_serve_process_answers_and_stops(tiny_model_path, tiny_tokenizer):

@@ -307,20 +307,20 @@ def test_malformed_json_unknown_delete_and_huge_body(url, backend):
 def test_an_exception_in_one_request_fails_only_that_request(server, backend, local):
     url, app = server
     engine = app.state.server.engine
-    real_step_batch = engine.step_batch
+    real_submit = engine.submit
 
-    def step_batch(requests):
+    def submit(requests):
         if any(isinstance(r, CreateRequest) and list(r.prompt_ids) == [66, 66] for r in requests):
             raise RuntimeError("boom inside one create")
         if any(getattr(r, "session_id", None) == "poison" for r in requests):  # rejected in validation
             raise InvalidArgumentError("session 'poison' cannot step")  # (no request_index: one by one)
-        return real_step_batch(requests)
+        return real_submit(requests)
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=3)
     for b in (backend, local):
         b.create_session([1, 2, 3], None, sp, session_id="poison")
         b.create_session([4, 5, 6], None, sp, session_id="healthy")
-    engine.step_batch = step_batch
+    engine.submit = submit
     try:
         with pytest.raises(InvalidArgumentError, match="poison") as info:
             backend.step_batch([StepRequest("poison", [7]), StepRequest("healthy", [8])])
@@ -328,7 +328,7 @@ def test_an_exception_in_one_request_fails_only_that_request(server, backend, lo
         crashed = httpx.post(f"{url}/compact_session/create", json={"prompt_ids": [66, 66]}, timeout=60)
         assert crashed.status_code == 500 and "boom" in crashed.json()["detail"]
     finally:
-        engine.step_batch = real_step_batch
+        engine.submit = real_submit
     assert_same_result(backend.step("healthy", [9]), local.step("healthy", [9]))
     for b in (backend, local):
         b.close("poison")
@@ -338,20 +338,20 @@ def test_an_exception_in_one_request_fails_only_that_request(server, backend, lo
 def test_client_disconnect_frees_the_session(server, monkeypatch):
     url, app = server
     engine = app.state.server.engine
-    real_step_batch = engine.step_batch
+    real_submit = engine.submit
 
-    def slow_step_batch(requests):  # the create is still running when its client gives up
+    def slow_submit(requests):  # the create is still running when its client gives up
         if any(isinstance(r, CreateRequest) for r in requests):
             time.sleep(1.0)
-        return real_step_batch(requests)
+        return real_submit(requests)
 
-    monkeypatch.setattr(engine, "step_batch", slow_step_batch)
+    monkeypatch.setattr(engine, "submit", slow_submit)
     before = _sessions(url)
     body = {"prompt_ids": [1, 2, 3], "max_response_tokens": 4, "temperature": 0}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{url}/compact_session/create", json=body, timeout=0.3)
 
-    def freed() -> bool:  # the create ran to its end, then its session was closed
+    def freed() -> bool:  # the running create was cancelled at a round boundary
         text = httpx.get(f"{url}/metrics").text
         return 'compaction_gym_sessions_closed_total{reason="cancelled"}' in text and _sessions(url) == before
 
@@ -364,14 +364,14 @@ def test_a_request_cancelled_while_queued_never_runs(server, backend, monkeypatc
     engine = app.state.server.engine
     sid = backend.create_session([1, 2, 3], None, SamplingParams(temperature=0, max_new_tokens=2)).session_id
     length = engine.session(sid).token_ids
-    real_step_batch = engine.step_batch
+    real_submit = engine.submit
 
-    def slow_step_batch(requests):  # a create keeps the worker busy while the step waits in the queue
+    def slow_submit(requests):  # a create keeps the worker busy while the step waits in the queue
         if any(isinstance(r, CreateRequest) for r in requests):
             time.sleep(1.0)
-        return real_step_batch(requests)
+        return real_submit(requests)
 
-    monkeypatch.setattr(engine, "step_batch", slow_step_batch)
+    monkeypatch.setattr(engine, "submit", slow_submit)
     blocker = threading.Thread(
         target=backend.compact_generate, args=([4, 5], None, SamplingParams(max_new_tokens=1))
     )
