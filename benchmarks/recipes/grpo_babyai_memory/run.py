@@ -652,10 +652,16 @@ def cmd_all(a: argparse.Namespace) -> int:
             if (out / name / f).is_file():
                 run[f.removesuffix(".json")] = json.loads((out / name / f).read_text())
         summary["runs"][name] = run
+    # a process stopped at the wall budget after writing its results still counts as done
+    summary["complete"] = {
+        name: bool(run.get("eval", {}).get("complete")) and (name == "baseline" or "train" in run)
+        for name, run in summary["runs"].items()
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_runs([out / v for v in variants], out / "curves.png")
     _bundle(out, variants, summary)
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    print(json.dumps({"complete": summary["complete"], "exit_codes": codes}), flush=True)
+    return 0 if all(summary["complete"].values()) else 1
 
 
 def _bundle(out: Path, variants: list[str], summary: dict[str, Any]) -> None:
