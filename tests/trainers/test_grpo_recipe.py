@@ -245,3 +245,26 @@ def test_curves_are_drawn_from_the_log(smoke, tmp_path):
     png = tmp_path / "curves.png"
     assert run.plot_runs([smoke.out], png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parallel_variants_are_evaluated_at_their_common_step_count(smoke, tmp_path):
+    from safetensors.torch import load_file
+
+    assert (smoke.out / "checkpoint-2" / "model.safetensors").is_file()  # save_steps = 2 in the smoke run
+    peer, missing = tmp_path / "peer", tmp_path / "crashed"
+    peer.mkdir()
+    (peer / "train.json").write_text(json.dumps({"steps": 2}))
+    model_dir, step = run.equal_steps_model(smoke.out, smoke.info, smoke.recipe, [peer, missing], wait_s=0.1)
+    assert step == 2 and model_dir == smoke.out / "model-step2"
+    ckpt = load_file(smoke.out / "checkpoint-2" / "model.safetensors")
+    copied = load_file(model_dir / "model.safetensors")
+    assert all(torch.equal(ckpt[k], copied[k]) for k in ckpt)
+    meta = json.loads((model_dir / "compaction_gym.json").read_text())
+    assert meta["recipe"][-1]["grpo"]["steps"] == 2 and meta["recipe"][-1]["grpo"]["episodes"] == 8
+    assert meta["model_sha256"] == _sha256(model_dir / "model.safetensors")
+    # a peer with as many steps or more: the final model
+    (peer / "train.json").write_text(json.dumps({"steps": 7}))
+    assert run.equal_steps_model(smoke.out, smoke.info, smoke.recipe, [peer], wait_s=0.1) == (
+        smoke.out / "model",
+        3,
+    )

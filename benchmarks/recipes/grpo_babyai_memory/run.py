@@ -542,9 +542,50 @@ def cmd_train(a: argparse.Namespace) -> int:
     print(json.dumps({"variant": recipe["variant"], **info}), flush=True)
     (out / "train.json").write_text(json.dumps({**info, "recipe": _public(recipe)}, indent=2) + "\n")
     plot_runs([out], out / "curves.png")
+    model_dir, step = Path(info["model_dir"]), info["steps"]
+    if a.peers:
+        model_dir, step = equal_steps_model(out, info, recipe, [Path(p) for p in a.peers], a.peer_wait)
     if recipe["eval_minutes"] > 0:
-        _evaluate_into(Path(info["model_dir"]), recipe, out)
+        _evaluate_into(model_dir, recipe, out, extra={"evaluated_step": step, "trained_steps": info["steps"]})
     return 0
+
+
+def equal_steps_model(
+    out: Path, info: dict[str, Any], recipe: dict[str, Any], peers: list[Path], wait_s: float
+) -> tuple[Path, int]:
+    """The model to evaluate so that parallel variants are compared at the same number of steps.
+
+    Waits (at most ``wait_s``) for every peer run directory's ``train.json``, takes the smallest
+    step count ``S`` among them and this run, and returns this run's ``checkpoint-S`` copied to
+    ``out/model-step{S}`` (its metadata saying ``steps = S``) — or the final model when this run has
+    no more steps than ``S``, or no such checkpoint (then ``S`` is this run's own count).
+    """
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all((p / "train.json").is_file() for p in peers):
+        time.sleep(2.0)
+    steps = [
+        json.loads((p / "train.json").read_text())["steps"] for p in peers if (p / "train.json").is_file()
+    ]
+    common = min([info["steps"], *steps])
+    final = Path(info["model_dir"])
+    checkpoint = out / f"checkpoint-{common}"
+    if common >= info["steps"] or common < 1 or not (checkpoint / "model.safetensors").is_file():
+        return final, info["steps"]
+    from compaction_gym.models.registry import resolve_model
+
+    dest = out / f"model-step{common}"
+    shutil.copytree(
+        checkpoint, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.pt", "*.pth", "*.bin")
+    )
+    per_step = info["episodes"] // max(1, info["steps"])
+    write_metadata(
+        Path(resolve_model(recipe["model"])),
+        dest,
+        recipe,
+        {**info, "steps": common, "episodes": common * per_step},
+    )
+    print(f"equal steps: evaluating {dest} (step {common} of {info['steps']})", flush=True)
+    return dest, common
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -559,7 +600,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate_into(model_dir: Path, recipe: dict[str, Any], out: Path) -> dict[str, Any]:
+def _evaluate_into(
+    model_dir: Path, recipe: dict[str, Any], out: Path, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     import torch
 
     from compaction_gym.models.registry import load_model
@@ -568,7 +611,7 @@ def _evaluate_into(model_dir: Path, recipe: dict[str, Any], out: Path) -> dict[s
     out.mkdir(parents=True, exist_ok=True)
 
     def write(result: dict[str, Any], final: bool = False) -> None:
-        result = {**result, "model": str(model_dir), "complete": final}
+        result = {**result, **(extra or {}), "model": str(model_dir), "complete": final}
         tmp = out / "eval.json.tmp"
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         tmp.replace(out / "eval.json")
@@ -626,6 +669,8 @@ def cmd_all(a: argparse.Namespace) -> int:
     for v in variants:
         cmd = [sys.executable, __file__, "train", *common, "--variant", v, "--out", str(out / v),
                "--max-minutes", str(train_minutes)]  # fmt: skip
+        if not a.unequal_steps:
+            cmd += ["--peers", *[str(out / w) for w in variants]]
         if a.max_steps is not None:
             cmd += ["--max-steps", str(a.max_steps)]
         procs[v] = subprocess.Popen(
@@ -681,7 +726,8 @@ def _bundle(out: Path, variants: list[str], summary: dict[str, Any]) -> None:
         return ev.get("attention_matching", {}).get("overall", {}).get("progression", {}).get("mean") or -1.0
 
     best = max(variants, key=score, default=None)
-    weights = out / str(best) / "model" / "model.safetensors"
+    evaluated = summary["runs"].get(str(best), {}).get("eval", {}).get("model")
+    weights = Path(evaluated or out / str(best) / "model") / "model.safetensors"
     if best is None or not weights.is_file():
         return
     data = weights.read_bytes()
@@ -716,6 +762,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, help="training wall budget")
     p.add_argument("--max-steps", dest="max_steps", type=int, default=None)
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=None,
+        help="run dirs of parallel variants: evaluate at their common step count",
+    )
+    p.add_argument(
+        "--peer-wait", dest="peer_wait", type=float, default=90.0, help="seconds to wait for peers"
+    )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("eval", help="held-out evaluation of a model (default: the recipe's base model)")
     common(p)
@@ -734,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slack-minutes", dest="slack_minutes", type=float, default=1.0)
     p.add_argument("--variants", nargs="*", default=None)
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument(
+        "--unequal-steps",
+        dest="unequal_steps",
+        action="store_true",
+        help="evaluate each variant's final model (default: every variant at their common step count)",
+    )
     p.add_argument("--max-steps", dest="max_steps", type=int, default=None)
     p.set_defaults(func=cmd_all)
     a = parser.parse_args(argv)
