@@ -99,6 +99,7 @@ def _edited(tmp_path: Path, key: str, value: str) -> Path:
         ("eval_chunk", "0", "eval_chunk"),
         ("train_seed_start", "10", "train_seed_start"),  # overlaps the held-out seeds 0..49
         ("tasks", "['goto', 'fly']", "fly"),
+        ("eval_modes", "['attention_matchin']", "eval_modes"),
     ],
 )
 def test_bad_recipes_are_refused_naming_the_field(tmp_path, key, value, named):

@@ -155,6 +155,15 @@ def _check_seeds(recipe: dict[str, Any]) -> None:
     for task in recipe["tasks"]:
         if task not in BABYAI_TASK_IDS:
             raise _error(f"tasks: unknown BabyAI task {task!r}; tasks: {sorted(BABYAI_TASK_IDS)}")
+    from compaction_gym.engine import CompactionConfig
+
+    for mode in recipe["eval_modes"]:
+        if mode == "none":
+            continue
+        try:
+            CompactionConfig.from_dict({**recipe["compaction"], "mode": mode})
+        except Exception as exc:
+            raise _error(f"eval_modes: {mode!r} is not a compaction mode ({exc})") from exc
     for key in ("train_episodes", "eval_seeds", "eval_chunk"):
         if recipe[key] < 1:
             raise _error(f"{key} must be >= 1, got {recipe[key]}")
