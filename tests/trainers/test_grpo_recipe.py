@@ -302,3 +302,32 @@ def test_recipe_trains_and_evaluates_on_cuda(tmp_path):
     for mode in ("attention_matching", "none"):
         assert result[mode]["seeds"] == [0, 1, 2]
         assert result[mode]["overall"]["episodes"] == 6
+
+
+@pytest.mark.parametrize("variant", ["am_detached", "markovian"])
+def test_the_other_variants_train_one_step(tmp_path, variant):
+    """One step of each other variant (detached blocks; markovian rollouts + replay) with the smoke
+    settings: compaction happened, replay matched the sampler, and the variant's setting was used."""
+    recipe = run.load_recipe(CONFIG, variant)
+    recipe["tasks"] = ["goto"]
+    recipe["training"] = {
+        **recipe["training"],
+        "num_generations": 2,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 1,
+        "save_strategy": "no",
+        "temperature": 2.0,
+        "env_kwargs": {"max_steps": 6},
+    }
+    info = run.train(recipe, tmp_path)
+    (rec,) = run.read_log(tmp_path)
+    assert info["steps"] == 1
+    assert rec["rollout/compaction_events"] > 0 and rec["replay/max_abs_logprob_diff"] < 1e-4
+    stage = json.loads((tmp_path / "model" / "compaction_gym.json").read_text())["recipe"][-1]["grpo"]
+    assert stage["variant"] == variant
+    if variant == "markovian":
+        assert stage["compaction"]["mode"] == "markovian"
+        assert rec["compaction/span_kept_fraction"] == 0.0  # the compacted span is deleted
+    else:
+        assert stage["training"]["grad_through_compaction"] is False
