@@ -272,14 +272,19 @@ def test_parallel_variants_are_evaluated_at_their_common_step_count(smoke, tmp_p
 
 
 @pytest.mark.gpu
-def test_recipe_trains_and_evaluates_on_cuda(tmp_path):
-    """The recipe's GPU path: 2 GRPO steps on CUDA (float32, generic engine path) keep the sampler and
-    the replay within 1e-3 (measured value printed), save the model, and the held-out evaluation runs
-    on CUDA under attention matching and full KV."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_recipe_trains_and_evaluates_on_cuda(tmp_path, fast):
+    """The recipe's GPU path: 2 GRPO steps on CUDA (float32; generic engine path, or the fast path as
+    `run.py --fast` sets it) keep the sampler and the replay within 1e-3 (measured value printed),
+    save the model (the fast path's packed weights included), and the held-out evaluation runs on
+    CUDA under attention matching and full KV."""
+    from safetensors.torch import load_file
+
     from compaction_gym.models.registry import load_model
 
     recipe = run.load_recipe(CONFIG, "am_grad")
     assert recipe["device"] == "auto"
+    recipe["eval_fast"] = fast
     recipe["tasks"] = ["goto", "putnext"]
     recipe["training"] = {
         **recipe["training"],
@@ -289,11 +294,14 @@ def test_recipe_trains_and_evaluates_on_cuda(tmp_path):
         "max_steps": 2,
         "temperature": 2.0,
         "env_kwargs": {"max_steps": 8},
+        "engine_fast": fast,
     }
     info = run.train(recipe, tmp_path / "run")
     log = run.read_log(tmp_path / "run")
     assert info["steps"] == 2 and len(log) == 2
-    print("cuda replay max |Δ| per step:", [rec["replay/max_abs_logprob_diff"] for rec in log])
+    print(f"cuda (fast={fast}) replay max |Δ| per step:", [rec["replay/max_abs_logprob_diff"] for rec in log])
+    saved = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    assert len(saved) == sum(1 for k, _ in load_model(tmp_path / "run" / "model")[0].named_parameters())
     assert all(rec["replay/max_abs_logprob_diff"] < 1e-3 for rec in log)
     assert all(rec["rollout/compaction_events"] > 0 for rec in log)
     model, tok = load_model(tmp_path / "run" / "model", dtype=torch.float32, device="cuda")

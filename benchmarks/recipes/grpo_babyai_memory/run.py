@@ -51,6 +51,7 @@ RECIPE_KEYS: dict[str, type | tuple[type, ...]] = {
     "eval_chunk": int,
     "eval_modes": list,
     "eval_capacity": int,
+    "eval_fast": bool,
     "max_minutes": (int, float),
     "eval_minutes": (int, float),
     "device": str,
@@ -145,7 +146,7 @@ def _check_keys(table: dict[str, Any], where: str) -> None:
                 f"{where}: unknown key {key!r}; recipe keys: {sorted(RECIPE_KEYS)} and tables {TABLES}"
             )
         expected = RECIPE_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if (isinstance(value, bool) and expected is not bool) or not isinstance(value, expected):
             raise _error(f"{where}: {key} must be {expected}, got {value!r}")
 
 
@@ -439,7 +440,8 @@ def evaluate_held_out(
             specs = [EpisodeSpec(t, s, 0) for t in tasks for s in part]
             rollouts = EnvRollouts(
                 model, tokenizer, envs, compaction=compaction, sampling=sampling, prompt="reasoning",
-                max_slots=len(specs), capacity=min(capacity, recipe["eval_capacity"]), fast=False,
+                max_slots=len(specs), capacity=min(capacity, recipe["eval_capacity"]),
+                fast=bool(recipe["eval_fast"]) and torch.cuda.is_available(),
             )  # fmt: skip
             for spec, traj in zip(specs, rollouts.run(specs)):
                 by_mode[mode][spec.env].append(traj)
@@ -546,6 +548,9 @@ def cmd_train(a: argparse.Namespace) -> int:
             recipe[key] = getattr(a, key)
     if a.max_steps is not None:
         recipe["training"] = {**recipe["training"], "max_steps": a.max_steps}
+    if a.fast:
+        recipe["training"] = {**recipe["training"], "engine_fast": True}
+        recipe["eval_fast"] = True
     out = Path(a.out)
     info = train(recipe, out, start=_T0)
     print(json.dumps({"variant": recipe["variant"], **info}), flush=True)
@@ -605,6 +610,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
             recipe[key] = getattr(a, key)
     from compaction_gym.models.registry import resolve_model
 
+    if a.fast:
+        recipe["eval_fast"] = True
     _evaluate_into(resolve_model(a.model or recipe["model"]), recipe, Path(a.out))
     return 0
 
@@ -661,6 +668,8 @@ def cmd_all(a: argparse.Namespace) -> int:
     common = ["--config", str(a.config), "--threads", str(threads), "--eval-minutes", str(eval_minutes)]
     if a.eval_seeds is not None:
         common += ["--eval-seeds", str(a.eval_seeds)]
+    if a.fast:
+        common += ["--fast"]
     procs = {}
     logs = contextlib.ExitStack()
     if not a.no_baseline:
@@ -764,6 +773,11 @@ def main(argv: list[str] | None = None) -> int:
             "--eval-seeds", dest="eval_seeds", type=int, default=None, help="held-out seeds per task"
         )
         p.add_argument("--eval-chunk", dest="eval_chunk", type=int, default=None)
+        p.add_argument(
+            "--fast",
+            action="store_true",
+            help="the engine's CUDA fast path for rollouts (engine_fast) and evaluation (eval_fast)",
+        )
 
     p = sub.add_parser("train", help="train one variant, save, evaluate")
     common(p)
