@@ -107,10 +107,18 @@ def test_bad_recipes_are_refused_naming_the_field(tmp_path, key, value, named):
         run.load_recipe(_edited(tmp_path, key, value), "am_grad")
 
 
-def test_a_bad_variant_key_is_named(tmp_path):
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ("model = 3", r"variants\.x.*model"),
+        ("training = { bogus_field = 1 }", "bogus_field"),
+        ("compaction = { max_kv = 5 }", "max_kv"),
+    ],
+)
+def test_a_bad_variant_key_is_named(tmp_path, table, named):
     path = tmp_path / "v.toml"
-    path.write_text(CONFIG.read_text() + "\n[variants.x]\nmodel = 3\n")
-    with pytest.raises(InvalidArgumentError, match=r"variants\.x.*model"):
+    path.write_text(CONFIG.read_text() + f"\n[variants.x]\n{table}\n")
+    with pytest.raises(InvalidArgumentError, match=named):
         run.load_recipe(path, "x")
 
 

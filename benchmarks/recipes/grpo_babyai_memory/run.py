@@ -156,8 +156,19 @@ def _check_seeds(recipe: dict[str, Any]) -> None:
     for task in recipe["tasks"]:
         if task not in BABYAI_TASK_IDS:
             raise _error(f"tasks: unknown BabyAI task {task!r}; tasks: {sorted(BABYAI_TASK_IDS)}")
-    from compaction_gym.engine import CompactionConfig
+    import dataclasses
 
+    from compaction_gym.engine import CompactionConfig
+    from compaction_gym.trainers import CompactionGRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(CompactionGRPOConfig) if f.init}
+    unknown = sorted(set(recipe["training"]) - fields)
+    if unknown:
+        raise _error(f"[training]: unknown CompactionGRPOConfig fields {unknown}")
+    try:
+        CompactionConfig.from_dict(recipe["compaction"])
+    except Exception as exc:
+        raise _error(f"[compaction]: {exc}") from exc
     for mode in recipe["eval_modes"]:
         if mode == "none":
             continue
