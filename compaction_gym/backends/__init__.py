@@ -1,6 +1,6 @@
 """Backends behind the session API: the :class:`Backend` protocol agents talk to, the in-process
-:class:`LocalBackend` (the embedded engine) and :class:`ScriptedBackend` (model-free, for tests) and
-:class:`VLLMBackend` (the engine inside vLLM's workers, docs/vllm.md).
+:class:`LocalBackend` (the embedded engine), :class:`ScriptedBackend` (model-free, for tests) and
+:class:`VLLMBackend` (the embedded engine inside vLLM's workers, docs/vllm.md).
 The HTTP client, :class:`~compaction_gym.servers.HTTPBackend`, lives with the server it talks to."""
 
 from compaction_gym.lazy import lazy_exports
