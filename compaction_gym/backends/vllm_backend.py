@@ -155,6 +155,10 @@ class VLLMBackend:
         """The session's :class:`~compaction_gym.engine.session.SessionView` (rank 0's)."""
         return self._call("session", session_id)
 
+    def read_cache(self, session_id: str) -> list[Any]:
+        """Copies of the session's live K, V and β rows, one ``(K, V, β)`` per tensor-parallel rank (its heads)."""
+        return self._call_all("read_cache", session_id)
+
     def shutdown(self) -> None:
         """Stop vLLM's engine and its worker processes (also at garbage collection)."""
         llm = self.__dict__.pop("llm", None)

@@ -116,14 +116,19 @@ def test_multi_turn_greedy_sessions_equal_local(pair, name):
     tok = vb.tokenizer
     first = prompt(tok, "Tell me a long story about a robot.")
     turns = [tok("\nContinue, please.", add_special_tokens=False)["input_ids"], tok("\nAnd then?", add_special_tokens=False)["input_ids"]]
-    results, views = [], []
+    results, views, caches = [], [], []
     for backend in (vb, local):
         r = backend.create_session(first, CONFIGS[name], GREEDY)
         try:
             results.append([r] + [backend.step(r.session_id, t) for t in turns])
-            views.append(getattr(backend, "engine", backend).session(r.session_id))  # LocalBackend: its engine's
+            engine = getattr(backend, "engine", backend)  # LocalBackend: its engine's
+            views.append(engine.session(r.session_id))
+            caches.append(engine.read_cache(r.session_id))
         finally:
             backend.close(r.session_id)
+    (mine_cache,), ref_cache = caches  # one tensor-parallel rank
+    for a, b, tol in zip(mine_cache, ref_cache, (1e-3, 1e-3, 1e-2)):  # K, V, β rows of the compacted cache
+        assert a.shape == b.shape and (a - b).abs().max().item() < tol
     for a, b in zip(*results):
         assert_same(a, b)
     mine, ref = views
@@ -200,12 +205,13 @@ def test_http_api_served_from_the_vllm_backend_equals_local(pair):
 
     vb, local = pair
     ids = prompt(vb.tokenizer, "Say something.")
-    body = {"prompt_ids": ids, "temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True,
-            "compaction_mode": "attention_matching", "max_kv_len": 48, "compact_window": 16}  # fmt: skip
-    cfg = CompactionConfig(mode="attention_matching", max_kv_len=48, compact_window=16)
-    ref = local.create_session(ids, cfg, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    body = {"prompt_ids": ids, "temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
+            "compaction_mode": "attention_matching", "max_kv_len": 56, "compact_window": 16}  # fmt: skip
+    cfg = CompactionConfig(mode="attention_matching", max_kv_len=56, compact_window=16)
+    ref = local.create_session(ids, cfg, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     ref2 = local.step(ref.session_id, [5, 6])
     local.close(ref.session_id)
+    assert ref.events or ref2.events
     with TestClient(create_app(vb, ServerArgs(model=vb.name, session_ttl_s=None))) as client:
         health = client.get("/health").json()
         assert health["free_slots"] == SLOTS and health["eos_token_ids"] == vb.eos_token_ids
@@ -216,7 +222,60 @@ def test_http_api_served_from_the_vllm_backend_equals_local(pair):
         assert r["all_token_ids"] == ref.token_ids and stepped["all_token_ids"] == ref2.token_ids
         assert r["all_logprobs"] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
         assert stepped["current_seq_len"] == ref2.kv_len
+        assert len(r["diagnostics"]["compaction_events"]) + len(stepped["diagnostics"]["compaction_events"]) == len(
+            ref.events
+        ) + len(ref2.events)
         missing = client.post("/compact_session/step", json={"session_id": "nope", "new_token_ids": [1]})
         assert missing.status_code == 404
         assert client.delete(f"/compact_session/{r['session_id']}").status_code == 200
     assert vb.num_free_slots == SLOTS
+
+
+def test_leaderboard_suite_runs_unchanged_on_vllm(pair, tiny_model_path, tmp_path):
+    """The tiny leaderboard suite (tests/leaderboard) on both backends: valid records, same episodes."""
+    import json
+
+    from compaction_gym.leaderboard import check_record, load_suite, run_suite
+
+    vb, local = pair
+    if vb.path != str(tiny_model_path):
+        pytest.skip("the suite is written for the tiny model")
+    suite_file = tmp_path / "tiny.toml"
+    suite_file.write_text(LEADERBOARD_SUITE.format(model=vb.path))
+    suite = load_suite(suite_file)
+    trajectories = []
+    for label, backend in (("vllm", vb), ("local", local)):
+        run_suite(suite, output=tmp_path / label, backend=backend, progress=False)
+        cell = tmp_path / label / "tiny" / "attention_matching" / "r0.5"
+        assert check_record(cell).ok, check_record(cell).failures
+        lines = (cell / "trajectories.jsonl").read_text().splitlines()
+        trajectories.append([(d["token_ids"], d["completion_mask"]) for d in map(json.loads, lines)])
+    assert trajectories[0] == trajectories[1] and len(trajectories[0]) == 4
+    assert vb.num_free_slots == SLOTS
+
+
+#: tests/leaderboard/conftest.py's suite (2 methods × 2 seeds × 2 episodes, 2-step BabyAI)
+LEADERBOARD_SUITE = """
+name = "tiny"
+env = "AttnMatch-BabyAI-v0"
+tasks = ["goto"]
+episodes = 2
+seeds = [0, 10]
+model = "{model}"
+prompt = "balrog"
+batch = 2
+env_kwargs = {{ max_steps = 2 }}
+reference_kv_len = 896
+
+[sampling]
+max_new_tokens = 3
+
+[[methods]]
+name = "none"
+mode = "none"
+
+[[methods]]
+name = "attention_matching"
+mode = "attention_matching"
+budgets = [{{ kv_ratio = 0.5, compact_window = 96 }}]
+"""
