@@ -16,8 +16,13 @@ they are); the engine's typed errors come back as values and are raised again by
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
+
+from compaction_gym.errors import CompactionGymError
+
+logger = logging.getLogger(__name__)
 
 #: Engine methods and attributes the backend may reach (``compaction_gym_call``).
 CALLS = frozenset(
@@ -50,6 +55,8 @@ class CompactionWorkerExtension:
             result = target(*args, **kwargs) if callable(target) else target
             return pickle.dumps(("ok", result))
         except Exception as exc:  # noqa: BLE001 - the engine stays usable after its errors (docs/engine.md)
+            if not isinstance(exc, CompactionGymError):  # a bug or a device error: keep its traceback here too
+                logger.exception("compaction_gym_call %s failed in rank %s", name, getattr(self, "rank", "?"))
             return pickle.dumps(("error", exc))
 
     def _compaction_gym_build(
