@@ -14,8 +14,11 @@ It also offers the engine facade the HTTP server reads (``step_batch``, ``sessio
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import secrets
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,13 +142,18 @@ class VLLMBackend:
 
     def step_batch(self, requests: Sequence[StepRequest | CreateRequest]) -> list[StepResult]:
         """One batched step of many sessions inside the workers (``Engine.step_batch``); events carry every rank's heads."""
-        per_rank = self._call_all("step_batch", list(requests))
+        requests = list(requests)
+        if len(self.layouts) > 1:
+            requests = [same_on_every_rank(r) for r in requests]
+        per_rank = self._call_all("step_batch", requests)
         return [merge_rank_results(parts) for parts in zip(*per_rank)]
 
     def close(self, session_id: str) -> None:
         self._call("close", session_id)
 
     def fork(self, session_id: str) -> str:
+        if len(self.layouts) > 1:  # each rank's engine would name the fork differently
+            raise InvalidArgumentError("fork: not available under tensor parallelism (docs/vllm.md)")
         return self._call("fork", session_id)
 
     def compact(self, session_id: str, span: tuple[int, int] | None = None, ratio: float | None = None) -> Any:
@@ -189,6 +197,17 @@ class VLLMBackend:
         return self._call_all(name, *args, **kwargs)[0]
 
 
+def same_on_every_rank(request: StepRequest | CreateRequest) -> StepRequest | CreateRequest:
+    """A create whose random choices (session id, session seed) are drawn here, once, so that every
+    tensor-parallel rank's engine opens the same session; a step is returned as it is."""
+    if not isinstance(request, CreateRequest):
+        return request
+    sampling = request.sampling or SamplingParams()
+    if sampling.seed is None:  # at creation a seed only names the session's stream (docs/engine.md)
+        sampling = sampling.replace(seed=secrets.randbits(62))
+    return dataclasses.replace(request, sampling=sampling, session_id=request.session_id or uuid.uuid4().hex)
+
+
 def merge_rank_results(parts: Sequence[StepResult]) -> StepResult:
     """Rank 0's result with each event's kept indices and β joined over the ranks' KV heads."""
     first = parts[0]
@@ -203,8 +222,6 @@ def merge_rank_events(per_rank: Sequence[Any]) -> Any:
     Under tensor parallelism each rank holds a contiguous block of KV heads (rank order), so the
     full ``[L, H_kv, t]`` tensors are the ranks' blocks concatenated on dim 1.
     """
-    import dataclasses
-
     import torch
 
     if len(per_rank) == 1:
