@@ -30,9 +30,11 @@ from compaction_gym.errors import InvalidArgumentError
 WORKER_EXTENSION = "compaction_gym.backends.vllm_worker.CompactionWorkerExtension"
 
 #: vLLM engine arguments the backend sets unless the caller does: eager mode (the engine's forwards
-#: bypass vLLM's compiled graphs anyway), a small vLLM KV cache (vLLM's own cache is unused) and
-#: float32 on CPU (the embedded engine's CPU default, so both backends compute alike).
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20}
+#: bypass vLLM's compiled graphs anyway) and one sequence at a time. Also defaulted (see
+#: :func:`default_engine_args`): ``max_model_len`` (the slot capacity), a vLLM KV cache just large
+#: enough for one such sequence (sessions never use it) and float32 on CPU (the embedded engine's
+#: CPU default, so both backends compute alike).
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 1}
 
 
 def vllm_available() -> bool:
@@ -81,9 +83,7 @@ class VLLMBackend:
         from compaction_gym.models.registry import resolve_model
 
         path = str(resolve_model(model))
-        args = {**DEFAULT_ENGINE_ARGS, **engine_args}
-        args.setdefault("dtype", "float32" if _cpu_build() else "auto")
-        args.setdefault("max_model_len", capacity or 4096)
+        args = {**default_engine_args(path, capacity), **engine_args}
         from vllm import LLM
 
         self.llm = LLM(model=path, worker_extension_cls=WORKER_EXTENSION, **args)
@@ -195,6 +195,23 @@ class VLLMBackend:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._call_all(name, *args, **kwargs)[0]
+
+
+def default_engine_args(path: str, capacity: int | None) -> dict[str, Any]:
+    """:data:`DEFAULT_ENGINE_ARGS` plus ``dtype``, ``max_model_len`` (``capacity``, default 4096,
+    at most the model's ``max_position_embeddings``) and ``kv_cache_memory_bytes`` for one
+    sequence of that length in float32 (at least 64 MiB): vLLM refuses to start with less, and
+    sessions keep their K/V in the engine's slot cache instead."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    max_len = min(capacity or 4096, getattr(text, "max_position_embeddings", None) or 1 << 30)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim * 4
+    kv_bytes = max(64 << 20, per_token * (max_len + 64))
+    return {**DEFAULT_ENGINE_ARGS, "dtype": "float32" if _cpu_build() else "auto", "max_model_len": max_len,
+            "kv_cache_memory_bytes": kv_bytes}  # fmt: skip
 
 
 def same_on_every_rank(request: StepRequest | CreateRequest) -> StepRequest | CreateRequest:

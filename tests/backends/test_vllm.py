@@ -279,3 +279,43 @@ name = "attention_matching"
 mode = "attention_matching"
 budgets = [{{ kv_ratio = 0.5, compact_window = 96 }}]
 """
+
+
+@pytest.fixture(scope="module")
+def tp_pair(tiny_model_path):
+    """``(VLLMBackend with tensor_parallel_size=2, LocalBackend)`` on the tiny model (one core per rank)."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel ranks need two cores")
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # "auto" keeps a core free, leaving one for two ranks
+    try:
+        vllm_backend = VLLMBackend(str(tiny_model_path), max_slots=2, capacity=512, tensor_parallel_size=2)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+    yield vllm_backend, LocalBackend.from_pretrained(str(tiny_model_path), max_slots=2, capacity=512, device="cpu")
+    vllm_backend.shutdown()
+
+
+def test_tensor_parallel_ranks_merge_into_the_single_device_session(tp_pair):
+    """Two ranks, each with half the KV heads: same tokens, and events whose per-rank kept rows and β
+    join (rank order) into the single-device event."""
+    vb, local = tp_pair
+    assert [lay.n_kv_heads for lay in vb.layouts] == [local.engine.layout.n_kv_heads // 2] * 2
+    cfg = CompactionConfig(mode="attention_matching", compute_beta=True, max_kv_len=48, compact_window=16)
+    outs = []
+    for backend in (vb, local):
+        r = backend.create_session(list(range(5, 20)), cfg, GREEDY)  # no session id, no seed: drawn once
+        outs.append([r, backend.step(r.session_id, [7, 8, 9])])
+        backend.close(r.session_id)
+    for a, b in zip(*outs):
+        assert all(e.indices.shape[1] == local.engine.layout.n_kv_heads for e in a.events)
+        assert_same(a, b)
+    assert any(r.events for r in outs[0])
+    with pytest.raises(InvalidArgumentError, match="fork"):
+        vb.fork("any")
+    assert vb.num_free_slots == 2
