@@ -40,11 +40,41 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
-def pair(request, tiny_model_path):
-    """``(VLLMBackend, LocalBackend)`` on the same weights, float32, CPU."""
+def make_tiny_qwen2(path, tokenizer_dir) -> str:
+    """A random Qwen2 (q/k/v biases, head_dim 64) beside the tiny Qwen3's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096, initializer_range=0.1, tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = Qwen2ForCausalLM(config)
+        for module in model.modules():  # random biases, so the bias path is exercised
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.normal_(module.bias, std=0.1)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    for extra in ("chat_template.jinja",):
+        if (tokenizer_dir / extra).exists():
+            shutil.copy(tokenizer_dir / extra, path / extra)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen2", "smollm2"])
+def pair(request, tiny_model_path, tmp_path_factory):
+    """``(VLLMBackend, LocalBackend)`` on the same weights, float32, CPU: Qwen3, Qwen2 and Llama."""
     if request.param == "tiny":
         model = str(tiny_model_path)
+    elif request.param == "tiny-qwen2":
+        model = make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), tiny_model_path)
     else:
         from compaction_gym.models.registry import resolve_model
         from compaction_gym.models.smollm2 import SMOLLM2_NAME, gguf_path
