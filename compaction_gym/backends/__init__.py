@@ -1,5 +1,6 @@
 """Backends behind the session API: the :class:`Backend` protocol agents talk to, the in-process
-:class:`LocalBackend` (the embedded engine) and :class:`ScriptedBackend` (model-free, for tests).
+:class:`LocalBackend` (the embedded engine), :class:`ScriptedBackend` (model-free, for tests) and
+:class:`VLLMBackend` (the embedded engine inside vLLM's workers, docs/vllm.md).
 The HTTP client, :class:`~compaction_gym.servers.HTTPBackend`, lives with the server it talks to."""
 
 from compaction_gym.lazy import lazy_exports
@@ -8,6 +9,7 @@ _EXPORTS: dict[str, str] = {
     "LocalBackend": "compaction_gym.backends.local",
     "Backend": "compaction_gym.backends.protocol",
     "ScriptedBackend": "compaction_gym.backends.scripted",
+    "VLLMBackend": "compaction_gym.backends.vllm_backend",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,7 @@ from typing import Any
 from compaction_gym.errors import InvalidArgumentError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("local", "vllm")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -20,6 +21,13 @@ class ServerArgs:
     """
 
     # --- model (CLI only) ---
+    backend: str = field(
+        default="local",
+        metadata={
+            "help": "what runs the sessions: the embedded engine (local) or vLLM's workers (vllm, docs/vllm.md)",
+            "choices": BACKENDS,
+        },
+    )
     model: str | None = field(
         default=None, metadata={"help": "registered model name (babyai-tiny, tiny-random), local path or hub id"}
     )
@@ -96,6 +104,8 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.log_level not in LOG_LEVELS:

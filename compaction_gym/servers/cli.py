@@ -44,14 +44,28 @@ def serve(args: ServerArgs) -> None:
 
         torch.set_num_threads(args.torch_threads)
     dtype = None if args.dtype == "auto" else args.dtype
-    engine = Engine.from_pretrained(
-        args.model, dtype=dtype, device=args.device, max_slots=args.max_slots, capacity=args.capacity
-    )
+    if args.backend == "vllm":  # the engine inside vLLM's workers, same interface (docs/vllm.md)
+        from compaction_gym.backends.vllm_backend import VLLMBackend
+
+        if args.device is not None:
+            raise InvalidArgumentError("device: --backend vllm places the model itself (vLLM's build decides)")
+        vllm_args = {} if dtype is None else {"dtype": dtype}
+        engine = VLLMBackend(
+            args.model, max_slots=args.max_slots, capacity=args.capacity, torch_threads=args.torch_threads, **vllm_args
+        )
+    else:
+        engine = Engine.from_pretrained(
+            args.model, dtype=dtype, device=args.device, max_slots=args.max_slots, capacity=args.capacity
+        )
     app = create_app(engine, args)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=args.keep_alive_s
-    )
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=args.keep_alive_s
+        )
+    finally:
+        if hasattr(engine, "shutdown"):  # vLLM's engine processes
+            engine.shutdown()
 
 
 def _run(ns: argparse.Namespace) -> int:

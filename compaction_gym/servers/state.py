@@ -118,6 +118,8 @@ def _model_name(engine: Any) -> str:
 
 
 def _vocab_size(engine: Any) -> int:
+    if isinstance(getattr(engine, "vocab_size", None), int):  # VLLMBackend
+        return engine.vocab_size
     model = getattr(engine, "model", None)
     with contextlib.suppress(Exception):
         return int(model.get_input_embeddings().num_embeddings)
