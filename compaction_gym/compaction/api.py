@@ -15,7 +15,7 @@ from compaction_gym.compaction.baselines import (
     streaming_indices,
     tova_indices,
 )
-from compaction_gym.compaction.beta import beta_from_logits
+from compaction_gym.compaction.beta import beta_from_logits, beta_where_it_helps
 from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES
 from compaction_gym.compaction.scoring import attention_logits, importance, top_indices
 from compaction_gym.compaction.values import check_ridge, values_from_logits
@@ -260,6 +260,8 @@ def compact(
         return selected
     beta = beta_from_logits(logits, span, indices, key_bias) if compute_beta else None
     if not refit_values:
+        if compute_beta:  # kept values: β only where it lowers the probes' output error
+            beta = beta_where_it_helps(raw, logits, values, span, indices, beta, old_beta)
         return CompactionResult(kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices)
     fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)
