@@ -10,7 +10,9 @@ the engine has), ``repeat`` (the queries of the span's tokens re-read after a "r
 ``self`` (queries of greedy continuation tokens) and ``oracle`` (the future queries themselves: a
 bound on what any probe source can reach).
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/diag_probes.py --model PATH [--budget 256] [--future 512]
+Usage: OMP_NUM_THREADS=1 python benchmarks/diag_probes.py --model smollm2-135m-instruct [--budget 256] [--future 512]
+
+Results and their reading: docs/benchmarks.md, "Why Attention Matching lost, and what changed".
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from compaction_gym.compaction import compact, gqa_probes
 CAPTURE: list[torch.Tensor] = []
 
 
-def _patch_rope() -> None:
-    import transformers.models.llama.modeling_llama as ml
+def _patch_rope(model) -> None:
+    """Capture every layer's post-RoPE queries (the output of the model module's ``apply_rotary_pos_emb``)."""
+    import importlib
 
+    ml = importlib.import_module(type(model).__module__)
     orig = ml.apply_rotary_pos_emb
 
     def rope(q, k, cos, sin, *a, **kw):
@@ -65,13 +69,12 @@ def main() -> None:
     p.add_argument("--offset", type=int, default=0, help="text offset in tokens")
     p.add_argument("--self-tokens", type=int, default=64)
     args = p.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from compaction_gym.lmeval.text import load_text
+    from compaction_gym.models.registry import load_model
 
-    _patch_rope()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model, tok = load_model(args.model, dtype="float32", device="cpu")
+    model.eval()
+    _patch_rope(model)
     ids = tok(load_text("pydoc"), add_special_tokens=False)["input_ids"][args.offset :]
     B, W = args.budget, args.budget // 2
     t = max(1, math.floor(W * args.ratio))
