@@ -7,7 +7,9 @@ under the session's cache as it stands (docs/engine.md, "Scoring fed tokens": th
 trigger compacts between steps, as decoding sees it). One session per cell:
 
 * every compaction mode the engine has (``COMPACTION_MODES``, read at run time) plus Attention
-  Matching with β, at each KV budget of ``--budgets`` (default 512 and 256, window = budget / 2);
+  Matching's settings (``AM_SETTINGS``: with β, with the original values kept instead of the C2
+  refit, with ``repeat`` probes), at each KV budget of ``--budgets`` (default 512 and 256,
+  window = budget / 2);
 * ``none`` (the full cache), the reference.
 
 Per cell: mean NLL (nats/token), bits per byte, the **gap** to ``none``, and the real compression
@@ -39,15 +41,26 @@ from compaction_gym.models.registry import MODEL_REGISTRY
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+#: Attention Matching's settings besides the plain mode (``--modes`` flags, docs/eval-lm.md): β,
+#: kept values (``refit_values=False``) and ``repeat`` probes (docs/compaction.md, "Probes").
+AM_SETTINGS = (
+    "attention_matching+beta",
+    "attention_matching+keep",
+    "attention_matching+beta+keep",
+    "attention_matching+keep+repeat",
+    "attention_matching+beta+keep+repeat",
+)
+
+
 def sweep_modes() -> list[str]:
-    """Every compaction mode of the engine, Attention Matching also with β."""
+    """Every compaction mode of the engine, Attention Matching also in each of ``AM_SETTINGS``."""
     modes = []
     for m in COMPACTION_MODES:
         if m == "none":
             continue
         modes.append(m)
         if m == "attention_matching":
-            modes.append("attention_matching+beta")
+            modes.extend(AM_SETTINGS)
     return modes
 
 

@@ -15,7 +15,7 @@ from compaction_gym.compaction.baselines import (
     streaming_indices,
     tova_indices,
 )
-from compaction_gym.compaction.beta import beta_from_logits
+from compaction_gym.compaction.beta import beta_from_logits, beta_where_it_helps
 from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES
 from compaction_gym.compaction.scoring import attention_logits, importance, top_indices
 from compaction_gym.compaction.values import check_ridge, values_from_logits
@@ -115,6 +115,18 @@ def _check_n_kv_heads(n_kv_heads: object, batch: int) -> int | None:
     return n_kv_heads
 
 
+def check_refit_values(refit_values: object) -> bool:
+    """``refit_values`` as a bool; anything else is refused naming the argument."""
+    if not isinstance(refit_values, bool):
+        raise InvalidArgumentError(f"refit_values must be a bool, got {refit_values!r}")
+    return refit_values
+
+
+def gather_values(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The original values of the kept rows ``[B, t, d_v]``."""
+    return torch.gather(values, 1, indices[..., None].expand(-1, -1, values.shape[-1]))
+
+
 def kept_rows(
     mode: str,
     keys: torch.Tensor,
@@ -150,6 +162,7 @@ def compact(
     seed: int | None = None,
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
+    refit_values: bool = True,
 ) -> CompactionResult:
     """Compact cache rows ``span`` of every (layer, KV head) down to ``target`` rows.
 
@@ -185,6 +198,8 @@ def compact(
         n_kv_heads: ``H_kv`` when ``B = L × H_kv``: ``tova`` then averages the last query's
             attention over all heads of a layer (one kept set per layer, as TOVA and kvpress).
             ``None``: per KV head (its query group) only.
+        refit_values: ``attention_matching`` refits C2 by the ridge solve; ``False`` keeps the
+            selected rows' original values (selection by RMS attention, β still fitted if asked).
 
     Returns:
         :class:`CompactionResult` with ``keys``/``values`` in the input dtype.
@@ -214,6 +229,7 @@ def compact(
     ridge = check_ridge(ridge)
     if seed is not None:
         seed = C.as_int(seed, "seed")
+    refit_values = check_refit_values(refit_values)
     query_positions = _check_query_positions(query_positions, queries, keys)
     n_kv_heads = _check_n_kv_heads(n_kv_heads, keys.shape[0])
     if forced_indices is not None:
@@ -243,5 +259,9 @@ def compact(
     if selected is not None:
         return selected
     beta = beta_from_logits(logits, span, indices, key_bias) if compute_beta else None
+    if not refit_values:
+        if compute_beta:  # kept values: β only where it lowers the probes' output error
+            beta = beta_where_it_helps(raw, logits, values, span, indices, beta, old_beta)
+        return CompactionResult(kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices)
     fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)

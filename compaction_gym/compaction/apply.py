@@ -14,7 +14,13 @@ from collections.abc import Callable
 import torch
 
 from compaction_gym.compaction import _checks as C
-from compaction_gym.compaction.api import CompactionResult, compact, kept_rows
+from compaction_gym.compaction.api import (
+    CompactionResult,
+    check_refit_values,
+    compact,
+    gather_values,
+    kept_rows,
+)
 from compaction_gym.compaction.beta import fit_beta
 from compaction_gym.compaction.modes import COMPACTION_MODES
 from compaction_gym.compaction.values import check_beta, fit_values
@@ -40,6 +46,7 @@ def apply_event(
     compact_fn: Callable[..., CompactionResult] = compact,
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
+    refit_values: bool = True,
 ) -> CompactionResult:
     """The block replacing rows ``span`` of every (layer, KV head) for one event.
 
@@ -52,7 +59,8 @@ def apply_event(
     * ``attention_matching`` gathers C1 and refits C2 from ``queries`` by the ridge solve with
       ``beta`` as a constant (the recorded β; refitted without gradient when ``compute_beta`` and
       no ``beta`` is given — old records). Equal to ``compact(forced_indices=indices)`` when
-      ``beta`` is the β that call fits.
+      ``beta`` is the β that call fits. With ``refit_values=False`` C2 is the kept rows'
+      original values (no probes needed when ``beta`` is recorded).
 
     Keys and values of different dtypes (autocast) are compacted in the keys' dtype; C2 comes
     back in the values' dtype.
@@ -67,6 +75,7 @@ def apply_event(
         compact_fn: the scoring implementation (``compact`` or a drop-in such as ``compact_fast``).
         query_positions, n_kv_heads: as :func:`compact` (each probe's cache row, for the causal
             masks of h2o/snapkv; the layout for tova's head average); used only when scoring.
+        refit_values: as :func:`compact` (``attention_matching``: refit C2, or keep the values).
 
     Returns:
         :class:`~compaction_gym.compaction.CompactionResult` (``beta`` float32 for recorded β).
@@ -79,6 +88,7 @@ def apply_event(
         raise InvalidArgumentError(f"mode must be one of {COMPACTION_MODES}, got {mode!r}")
     if beta is not None and not compute_beta:
         raise InvalidArgumentError("beta (a recorded β) needs compute_beta=True")
+    refit_values = check_refit_values(refit_values)
     if differentiable and indices is None:
         raise InvalidArgumentError("indices are required with differentiable=True (replay a recorded event)")
     if _mixed_dtypes(keys, values, queries):
@@ -88,19 +98,23 @@ def apply_event(
             keys, values.to(keys.dtype), None if queries is None else queries.to(keys.dtype),
             mode=mode, span=span, target=target, compute_beta=compute_beta, scale=scale, key_bias=key_bias,
             ridge=ridge, seed=seed, indices=indices, beta=beta, differentiable=differentiable, compact_fn=compact_fn,
-            query_positions=query_positions, n_kv_heads=n_kv_heads,
+            query_positions=query_positions, n_kv_heads=n_kv_heads, refit_values=refit_values,
         )  # fmt: skip
         return CompactionResult(res.keys, res.values.to(values.dtype), res.beta, res.indices)
-    if indices is None or (mode == "attention_matching" and not differentiable and beta is None):
+    if indices is None or (
+        mode == "attention_matching" and refit_values and not differentiable and beta is None
+    ):
+        extra = {} if refit_values else {"refit_values": False}  # compact_fn drop-ins take it when used
         return compact_fn(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, scale=scale,
             key_bias=key_bias, ridge=ridge, seed=seed, forced_indices=indices,
             query_positions=None if indices is not None else query_positions,
-            n_kv_heads=None if indices is not None else n_kv_heads,
+            n_kv_heads=None if indices is not None else n_kv_heads, **extra,
         )  # fmt: skip
     return _replayed(
-        keys, values, queries, mode, span, target, compute_beta, scale, key_bias, ridge, indices, beta
-    )
+        keys, values, queries, mode, span, target, compute_beta, scale, key_bias, ridge, indices, beta,
+        refit_values,
+    )  # fmt: skip
 
 
 def _mixed_dtypes(keys: object, values: object, queries: object) -> bool:
@@ -122,6 +136,7 @@ def _replayed(
     ridge: float,
     indices: torch.Tensor,
     beta: torch.Tensor | None,
+    refit_values: bool = True,
 ) -> CompactionResult:
     """A recorded event's block: the same operations as :func:`compact`, β a constant."""
     keys = C.check_keys(keys)
@@ -137,7 +152,7 @@ def _replayed(
     kept_keys, old_beta, selected = kept_rows(mode, keys, values, key_bias, indices)
     if selected is not None:
         return selected
-    if queries is None:
+    if queries is None and (refit_values or (compute_beta and beta is None)):
         raise InvalidArgumentError("queries are required to refit C2 (mode='attention_matching')")
     if compute_beta and beta is None:  # an old record: refit β, a constant (no gradient)
         with torch.no_grad():
@@ -147,6 +162,10 @@ def _replayed(
             )  # fmt: skip
     elif beta is not None:
         beta = check_beta(beta.detach().to(keys.device), indices, keys)
+    if not refit_values:
+        return CompactionResult(
+            kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices
+        )
     fitted = fit_values(
         keys, values, queries, span, indices, beta=beta, scale=scale, key_bias=key_bias, ridge=ridge
     )

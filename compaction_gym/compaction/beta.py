@@ -308,3 +308,44 @@ def fit_beta(
     return beta_from_logits(
         logits, span, indices, key_bias, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key
     )
+
+
+def beta_where_it_helps(
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    span: tuple[int, int],
+    indices: torch.Tensor,
+    beta: torch.Tensor,
+    old_beta: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per row, the fitted ``beta`` where it lowers the probes' attention-output error, else the old bias.
+
+    For kept (not refitted) values: the probes' full-cache attention output ``softmax(S) V`` is
+    compared with the compacted cache's (``[prefix | kept rows with bias b | suffix]``, original
+    values) for ``b = beta`` and ``b = old_beta`` (``0`` without one); rows whose mean squared
+    error is not lower with ``beta`` keep the old bias (docs/compaction.md, "Kept values").
+
+    Args:
+        raw, logits: ``[B, n, T]`` unbiased and biased logits (:func:`~compaction_gym.compaction.scoring.attention_logits`).
+        values: ``[B, T, d_v]``. span: ``(s, e)``. indices: kept rows ``[B, t]``.
+        beta: fitted absolute β ``[B, t]``. old_beta: the kept rows' stored bias ``[B, t]`` or ``None``.
+
+    Returns:
+        ``[B, t]`` in ``beta``'s dtype.
+    """
+    start, end = span
+    dtype = logits.dtype
+    v = values.to(dtype)
+    ref = torch.softmax(logits, dim=-1) @ v  # [B, n, d_v]
+    kept_raw = torch.gather(raw, 2, indices[:, None, :].expand(-1, raw.shape[1], -1))
+    kept_v = torch.gather(v, 1, indices[..., None].expand(-1, -1, v.shape[-1]))
+    v_c = torch.cat([v[:, :start], kept_v, v[:, end:]], dim=1)
+    old = torch.zeros_like(beta) if old_beta is None else old_beta.to(beta.dtype)
+
+    def error(bias: torch.Tensor) -> torch.Tensor:
+        s_c = torch.cat([logits[:, :, :start], kept_raw + bias.to(dtype)[:, None, :], logits[:, :, end:]], dim=2)
+        return ((torch.softmax(s_c, dim=-1) @ v_c - ref) ** 2).sum(-1).mean(-1)  # [B]
+
+    better = error(beta) < error(old)
+    return torch.where(better[:, None], beta, old)

@@ -26,8 +26,9 @@ Trigger = Literal["kv_budget", "turn", "manual"]
 
 _INT32 = torch.iinfo(torch.int32)
 
-#: Version written by :meth:`CompactionEvent.to_dict`: 2 added ``probe_rows`` and ``beta``.
-EVENT_FORMAT_VERSION = 2
+#: Version written by :meth:`CompactionEvent.to_dict`: 2 added ``probe_rows`` and ``beta``; 3 added
+#: ``probe_tokens`` (``repeat`` probes) and ``refit_values``.
+EVENT_FORMAT_VERSION = 3
 
 
 def encode_int_tensor(t: torch.Tensor) -> dict[str, Any]:
@@ -130,6 +131,11 @@ class CompactionEvent:
         mass_kept: the probes' attention mass the block keeps, relative to the span's
             (:func:`~compaction_gym.compaction.mass.attention_mass_kept`); a diagnostic, ``None``
             when not measured (no probes, older records). Written only when set.
+        probe_tokens: the token ids fed in the scratch forward whose queries were the ``repeat``
+            probes (at logical positions ``logical_len ..``, over the cache as it stood before the
+            event, then discarded); ``None`` for other sources.
+        refit_values: ``attention_matching`` refitted C2 (``True``, and every record before version
+            3) or kept the selected rows' original values.
     """
 
     index: int
@@ -151,6 +157,8 @@ class CompactionEvent:
     probe_rows: tuple[int, int] | None = None
     beta: torch.Tensor | None = None
     mass_kept: float | None = None
+    probe_tokens: tuple[int, ...] | None = None
+    refit_values: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 3:
@@ -172,6 +180,10 @@ class CompactionEvent:
             self.probe_logical_range = (int(self.probe_logical_range[0]), int(self.probe_logical_range[1]))
         if self.probe_rows is not None:
             self.probe_rows = (int(self.probe_rows[0]), int(self.probe_rows[1]))
+        if self.probe_tokens is not None:
+            self.probe_tokens = tuple(int(t) for t in self.probe_tokens)
+        if not isinstance(self.refit_values, bool):
+            raise InvalidArgumentError(f"refit_values must be a bool, got {self.refit_values!r}")
         if self.beta is not None:
             if not isinstance(self.beta, torch.Tensor) or not self.beta.is_floating_point():
                 raise InvalidArgumentError(
@@ -232,6 +244,8 @@ class CompactionEvent:
             "timings": dict(self.timings),
             "probe_rows": None if self.probe_rows is None else list(self.probe_rows),
             "beta": None if self.beta is None else encode_float_tensor(self.beta),
+            "probe_tokens": None if self.probe_tokens is None else list(self.probe_tokens),
+            "refit_values": self.refit_values,
         }
         if self.mass_kept is not None:
             out["mass_kept"] = self.mass_kept
@@ -262,6 +276,7 @@ class CompactionEvent:
         seed = d.get("probe_seed")
         rows = d.get("probe_rows")
         beta = d.get("beta")
+        tokens = d.get("probe_tokens")
         return cls(
             index=int(d["index"]),
             trigger=d["trigger"],
@@ -282,6 +297,8 @@ class CompactionEvent:
             probe_rows=None if rows is None else (int(rows[0]), int(rows[1])),
             beta=None if beta is None else decode_float_tensor(beta),
             mass_kept=None if d.get("mass_kept") is None else float(d["mass_kept"]),
+            probe_tokens=None if tokens is None else tuple(int(t) for t in tokens),
+            refit_values=bool(d.get("refit_values", True)),
         )
 
     def __eq__(self, other: object) -> bool:

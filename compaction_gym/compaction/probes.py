@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from compaction_gym.compaction import _checks as C
-from compaction_gym.compaction.modes import PROBE_SOURCES
+from compaction_gym.compaction.modes import PROBE_SOURCES, REPEAT_SOURCES, SUFFIX_SOURCES
 from compaction_gym.compaction.rowmap import RowMap
 from compaction_gym.errors import InvalidArgumentError
 
@@ -161,6 +161,7 @@ def event_probes(
     seed: int | None = None,
     rows: tuple[int, int] | None = None,
     queries: torch.Tensor | None = None,
+    repeat_queries: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One event's probe queries ``[L * H_kv, n, d]``.
 
@@ -173,7 +174,9 @@ def event_probes(
         event_index: the event's index in its session.
         seed: the session seed (``random``).
         rows: cache rows ``(lo, hi)`` of the key probes (``keys``).
-        queries: post-RoPE queries ``[L, H_q, n, d]`` (``suffix``).
+        queries: post-RoPE queries ``[L, H_q, n, d]`` (``suffix``, ``suffix+repeat``).
+        repeat_queries: post-RoPE queries ``[L, H_q, m, d]`` of the event's ``probe_tokens``
+            (``repeat``, ``suffix+repeat``: appended after the suffix probes).
 
     Raises:
         InvalidArgumentError: an unknown source, or the input that source needs is missing.
@@ -191,6 +194,15 @@ def event_probes(
         if not 0 <= lo < hi <= keys.shape[1]:
             raise InvalidArgumentError(f"event {event_index}: probe_rows {rows} outside the cache's {keys.shape[1]} rows")
         return keys[:, lo:hi]
-    if source != "suffix":
+    if source not in PROBE_SOURCES:
         raise InvalidArgumentError(f"probe_source must be one of {PROBE_SOURCES}, got {source!r}")
-    return None if queries is None else gqa_probes(queries.contiguous(), n_kv_heads)
+    parts = []
+    if source in SUFFIX_SOURCES and queries is not None:
+        parts.append(gqa_probes(queries.contiguous(), n_kv_heads))
+    if source in REPEAT_SOURCES:
+        if repeat_queries is None:
+            raise InvalidArgumentError(f"event {event_index}: {source} probes need the queries of their probe_tokens")
+        parts.append(gqa_probes(repeat_queries.contiguous().to(keys.dtype), n_kv_heads))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

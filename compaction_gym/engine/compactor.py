@@ -21,23 +21,82 @@ Triggers:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
 from compaction_gym.compaction.mass import attention_mass_kept
-from compaction_gym.compaction.modes import POSITION_MODES, QUERY_MODES, target_size
+from compaction_gym.compaction.modes import (
+    POSITION_MODES,
+    QUERY_MODES,
+    REPEAT_SOURCES,
+    SUFFIX_SOURCES,
+    target_size,
+)
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.errors import InvalidArgumentError
 
+#: The prompt fed before the re-read span of ``repeat`` probes (the Attention Matching paper's
+#: repeat-prefill: "{context} Repeat the previous context. {context}").
+REPEAT_PROMPT = "\n\nRepeat the previous text exactly.\n\n"
+
+#: Harvests post-RoPE queries ``[L, H_q, n, d]`` of ``token_ids`` fed to ``slot`` at logical
+#: positions ``start ..`` over the slot's cache as it stands, leaving the slot unchanged.
+Harvest = Callable[[int, Sequence[int], int], torch.Tensor]
+
+
+def harvest_queries(
+    runner, cache: SlotKVCache, slot: int, token_ids: Sequence[int], start: int, chunk: int
+) -> torch.Tensor:
+    """Post-RoPE queries ``[L, H_q, n, d]`` of ``token_ids`` fed to ``slot`` at logical positions
+    ``start ..`` over its cache as it stands (with its β), ``chunk`` tokens per forward; the slot's
+    length is restored afterwards, so the fed rows are discarded (a scratch forward).
+
+    ``runner`` is the engine's model runner (``forward(list[RowFeed])`` with a query recorder).
+    """
+    from compaction_gym.engine.model_runner import RowFeed
+    from compaction_gym.engine.session import ProbeRing
+
+    lay, n0, n = runner.layout, cache.length(slot), len(token_ids)
+    ring = ProbeRing(lay.n_layers, lay.n_q_heads, lay.head_dim, n, cache.k.dtype, cache.k.device)
+    try:
+        for a in range(0, n, chunk):
+            part = list(token_ids[a : a + chunk])
+            runner.forward([RowFeed(slot, part, start + a, recorder=ring)])
+    finally:
+        lengths = cache.lengths
+        lengths[slot] = n0
+        cache.restore_lengths(lengths)
+    picked = ring.select(start)
+    assert picked is not None and picked[1] == (start, start + n), picked
+    return picked[0]
+
 
 def records_queries(config) -> bool:
     """Whether a session with ``config`` must record post-RoPE queries (``suffix`` probes)."""
-    return config.mode in QUERY_MODES and config.queries == "suffix"
+    return config.mode in QUERY_MODES and config.queries in SUFFIX_SOURCES
+
+
+def repeat_tokens(prompt: Sequence[int], span_tokens: Sequence[int], n_probe: int, room: int) -> list[int]:
+    """A ``repeat`` event's probe tokens: ``prompt`` then the last span tokens that fit.
+
+    At most ``n_probe`` span tokens, and ``prompt + span`` at most ``room`` tokens (the slot's free
+    rows: the scratch forward writes there before the slot's length is restored).
+
+    Raises:
+        InvalidArgumentError: not even the prompt and one span token fit.
+    """
+    n = min(n_probe, len(span_tokens), room - len(prompt))
+    if n < 1:
+        raise InvalidArgumentError(
+            f"queries='repeat' needs {len(prompt) + 1} free cache rows at a compaction event, the slot "
+            f"has {room}: raise the engine's capacity or lower max_kv_len"
+        )
+    return [*prompt, *span_tokens[len(span_tokens) - n :]]
 
 
 class Compactor:
@@ -49,12 +108,16 @@ class Compactor:
         layout: ModelLayout,
         compact_fn: Callable[..., CompactionResult] = compact,
         record_mass: bool = False,
+        harvest: Harvest | None = None,
+        repeat_prompt: Sequence[int] = (),
     ) -> None:
         self.cache = cache
         self.layout = layout
         self.compact_fn = compact_fn  # the fast path passes its fused Attention Matching
         #: measure each event's ``mass_kept`` (a diagnostic: one more probes × span product per event)
         self.record_mass = record_mass
+        self.harvest = harvest  # the engine's scratch forward (``repeat`` probes)
+        self.repeat_prompt = list(repeat_prompt)
 
     # -------------------------------------------------------------- triggers
     def kv_budget_span(self, s: Session, kv_len: int | None = None, fired: int = 0) -> tuple[int, int] | None:
@@ -145,13 +208,17 @@ class Compactor:
         target = target_size(cfg.mode, end - start, ratio)
         index = len(s.events)
         log_span = s.row_map.logical_span(start, end)
-        probe_range = probe_seed = probe_rows = recorded_beta = None
+        probe_range = probe_seed = probe_rows = recorded_beta = probe_tokens = None
         timings: dict[str, float] = {}
         keys_all, values_all, beta_all = cache.rows(s.slot)
         queries = None
         if cfg.mode != "markovian":  # a deletion needs no probes
-            queries, probe_range, probe_seed, probe_rows = self._probes(s, keys_all, log_span, index)
-        qpos = self._probe_positions(s, probe_range, probe_rows, keys_all.device)
+            queries, probe_range, probe_seed, probe_rows, probe_tokens = self._probes(
+                s, keys_all, log_span, index
+            )
+        qpos = self._probe_positions(
+            s, probe_range, probe_rows, keys_all.device, len(probe_tokens) if probe_tokens else 0
+        )
         timings["probes"] = time.perf_counter() - t0
         result = apply_event(
             keys_all,
@@ -168,6 +235,7 @@ class Compactor:
             compact_fn=self.compact_fn,
             query_positions=qpos,
             n_kv_heads=lay.n_kv_heads,
+            refit_values=cfg.refit_values,
         )
         timings["compact"] = time.perf_counter() - t0 - timings["probes"]
         keys, values, beta = result.keys, result.values, result.beta
@@ -210,6 +278,8 @@ class Compactor:
             probe_rows=probe_rows,
             beta=recorded_beta,
             mass_kept=mass,
+            probe_tokens=probe_tokens,
+            refit_values=cfg.refit_values,
         )
         s.events.append(event)
         return event
@@ -220,48 +290,70 @@ class Compactor:
         probe_range: tuple[int, int] | None,
         probe_rows: tuple[int, int] | None,
         device: torch.device,
+        n_repeat: int = 0,
     ) -> torch.Tensor | None:
         """Each probe's cache row (h2o/snapkv's causal masks, tova's last query), in the grouped probes' order.
 
         ``keys`` probes sit on their own rows; ``suffix`` probes on their tokens' rows, repeated for
-        the ``G`` query heads :func:`gqa_probes` concatenates. ``None`` (no mask) for ``random``
-        probes, or when a probe's token is no longer raw in the cache.
+        the ``G`` query heads :func:`gqa_probes` concatenates; ``repeat`` probes (after any suffix
+        probes) on the rows after the cache where the scratch forward fed them. ``None`` (no mask)
+        for ``random`` probes, or when a suffix probe's token is no longer raw in the cache.
         """
         if s.config.mode not in POSITION_MODES:
             return None
-        if probe_rows is not None and s.config.queries == "keys":
+        src = s.config.queries
+        if probe_rows is not None and src == "keys":
             return torch.arange(*probe_rows, device=device)
-        if probe_range is None or s.config.queries != "suffix":
-            return None
-        rows = [s.row_map.row_of(p) for p in range(*probe_range)]
-        if any(r is None for r in rows):
-            return None
         group = self.layout.n_q_heads // self.layout.n_kv_heads
-        return torch.tensor(rows, device=device).repeat(group)
+        parts = []
+        if src in SUFFIX_SOURCES and probe_range is not None:
+            rows = [s.row_map.row_of(p) for p in range(*probe_range)]
+            if any(r is None for r in rows):
+                return None
+            parts.append(torch.tensor(rows, device=device).repeat(group))
+        if src in REPEAT_SOURCES and n_repeat:
+            kv = self.cache.length(s.slot)
+            parts.append(torch.arange(kv, kv + n_repeat, device=device).repeat(group))
+        return torch.cat(parts) if parts else None
 
     def _probes(
         self, s: Session, keys: torch.Tensor, log_span: tuple[int, int], index: int
-    ) -> tuple[torch.Tensor | None, tuple[int, int] | None, int | None, tuple[int, int] | None]:
-        """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range, seed and key rows."""
+    ) -> tuple[
+        torch.Tensor | None,
+        tuple[int, int] | None,
+        int | None,
+        tuple[int, int] | None,
+        tuple[int, ...] | None,
+    ]:
+        """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range, seed, key rows
+        and ``repeat`` probe tokens."""
         cfg, lay = s.config, self.layout
-        rows = probe_range = seed = queries = None
+        rows = probe_range = seed = queries = repeat_q = tokens = None
         if cfg.queries == "random":
             seed = s.seed
         elif cfg.queries == "keys":
             rows = key_probe_rows(s.row_map, self.cache.length(s.slot), cfg.n_probe_queries, s.last_response)
             probe_range = s.row_map.logical_span(*rows)
-        elif s.probes is None:  # streaming / random selection: attention is not looked at
-            return None, None, None, None
-        else:
+        elif cfg.mode not in QUERY_MODES:  # streaming / random selection: attention is not looked at
+            return None, None, None, None, None
+        if cfg.queries in SUFFIX_SOURCES and s.probes is not None:
             picked = s.probes.select(log_span[1])
-            if picked is None:
+            if picked is None and cfg.queries == "suffix":
                 raise InvalidArgumentError("no queries were recorded for suffix probes; feed tokens first")
-            queries, probe_range = picked
+            if picked is not None:
+                queries, probe_range = picked
+        if cfg.queries in REPEAT_SOURCES:
+            if self.harvest is None:
+                raise InvalidArgumentError("queries='repeat' needs an engine that can run a scratch forward")
+            a, b = log_span
+            room = self.cache.capacity - self.cache.length(s.slot)
+            tokens = tuple(repeat_tokens(self.repeat_prompt, s.token_ids[a:b], cfg.n_probe_queries, room))
+            repeat_q = self.harvest(s.slot, tokens, s.fed)
         probes = event_probes(
             cfg.queries, keys, n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, n_probe=cfg.n_probe_queries,
-            event_index=index, seed=seed, rows=rows, queries=queries,
+            event_index=index, seed=seed, rows=rows, queries=queries, repeat_queries=repeat_q,
         )  # fmt: skip
-        return probes, probe_range, seed, rows
+        return probes, probe_range, seed, rows, tokens
 
 
 def _mix(seed: int, index: int) -> int:

@@ -187,9 +187,11 @@ class CompactionConfig(_DictMixin):
         protect_prompt: never compact the session's creation prompt.
         queries: probe source, one of ``PROBE_SOURCES``.
         n_probe_queries: how many recent query positions per layer are kept for ``suffix`` probes
-            (and how many random probes are drawn for ``random``).
+            (how many random probes are drawn for ``random``; the most span tokens ``repeat``
+            re-reads).
         compute_beta: fit the per-key logit bias β (attention_matching only).
         ridge: relative ridge strength of the C2 solve.
+        refit_values: ``attention_matching`` refits C2 (``False``: the kept rows' original values).
         inject_budget_message: after each compaction event, prefill the budget message.
         budget_message_template: formatted with ``used``, ``total`` and ``remaining``.
         budget_message_frame: ``(prefix, suffix)`` text placed around the budget message before it
@@ -231,7 +233,11 @@ class CompactionConfig(_DictMixin):
     protect_prompt: bool = field(default=True, metadata={"help": "never compact the session's creation prompt"})
     queries: ProbeSource = field(
         default="suffix",
-        metadata={"help": "probe queries: recent queries (suffix), cache keys (keys) or random", "choices": PROBE_SOURCES},
+        metadata={
+            "help": "probe queries: recent queries (suffix), cache keys (keys), random, the span re-read "
+            "after a 'repeat the previous text' prompt (repeat), or suffix+repeat",
+            "choices": PROBE_SOURCES,
+        },
     )
     n_probe_queries: int = field(
         default=256,
@@ -245,6 +251,12 @@ class CompactionConfig(_DictMixin):
         default=False, metadata={"help": "fit the per-key logit bias beta (attention_matching only)"}
     )
     ridge: float = field(default=1e-4, metadata={"help": "relative ridge strength of the C2 value solve", "ge": 0})
+    refit_values: bool = field(
+        default=True,
+        metadata={
+            "help": "attention_matching: refit the kept rows' values C2 (off: keep their original values)"
+        },
+    )
     inject_budget_message: bool = field(
         default=False, metadata={"help": "after each compaction event, feed the budget message"}
     )
@@ -269,6 +281,8 @@ class CompactionConfig(_DictMixin):
                 "mode='none' contradicts a compaction trigger (max_kv_len or n_protect_turns); "
                 "pick a compaction mode or drop the trigger"
             )
+        if not self.refit_values and self.mode != "attention_matching":
+            raise InvalidArgumentError(f"refit_values=False needs mode='attention_matching', got mode={self.mode!r}")
         if self.compute_beta and self.mode != "attention_matching":
             raise InvalidArgumentError(f"compute_beta needs mode='attention_matching', got mode={self.mode!r}")
         if self.turn_based:

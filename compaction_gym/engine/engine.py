@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
+from compaction_gym.compaction.modes import REPEAT_SOURCES
 from compaction_gym.engine.attention import register_attention
-from compaction_gym.engine.compactor import Compactor
+from compaction_gym.engine.compactor import REPEAT_PROMPT, Compactor, harvest_queries
 from compaction_gym.engine.config import (
     DEFAULT_BUDGET_FRAME,
     PLAIN_BUDGET_FRAME,
@@ -104,6 +105,12 @@ class Engine:
         else:
             self.runner = ModelRunner(model, self.cache, layout)
             self.compactor = Compactor(self.cache, layout, record_mass=record_mass)
+        # ``repeat`` probes: a scratch forward of the re-read span over a session's cache
+        self.compactor.harvest = lambda slot, ids, start: harvest_queries(
+            self.runner, self.cache, slot, ids, start, prefill_chunk
+        )
+        if tokenizer is not None:
+            self.compactor.repeat_prompt = list(tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False))
         self.scheduler = Scheduler(
             self.runner,
             self.compactor,
@@ -465,6 +472,8 @@ class Engine:
             raise InvalidArgumentError(
                 f"max_kv_len ({config.max_kv_len}) exceeds the engine's capacity ({self.capacity}) rows per slot"
             )
+        if config.queries in REPEAT_SOURCES and config.mode != "none" and self.tokenizer is None:
+            raise InvalidArgumentError(f"queries={config.queries!r} needs an engine with a tokenizer (the repeat prompt)")
         if config.inject_budget_message:
             if self.tokenizer is None:
                 raise InvalidArgumentError("inject_budget_message needs an engine with a tokenizer")

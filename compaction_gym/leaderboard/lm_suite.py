@@ -17,7 +17,7 @@ from typing import Any
 from compaction_gym.compaction.modes import QUERY_MODES
 from compaction_gym.engine.config import CompactionConfig
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.leaderboard.suite import FULL, Budget, find_suite, sha256_json
+from compaction_gym.leaderboard.suite import FULL, Budget, find_suite, hashed_compaction, sha256_json
 from compaction_gym.lmeval.mixer import MIXERS, MixerConfig
 
 LM_KIND = "lm"
@@ -73,7 +73,7 @@ class LmCell:
             "chunk": self.chunk,
             "score_after": self.score_after,
             "seeds": self.seeds,
-            "compaction": self.compaction.to_dict(),
+            "compaction": hashed_compaction(self.compaction),
             "mixer": None if self.mixer is None else {"name": self.mixer_name, **self.mixer.to_dict()},
         }
 

@@ -112,7 +112,7 @@ class Cell:
             "policy": self.policy,
             "env_kwargs": self.env_kwargs,
             "capacity": self.capacity,
-            "compaction": self.compaction.to_dict(),
+            "compaction": hashed_compaction(self.compaction),
             "sampling": {**self.sampling.to_dict(), "stop_token_ids": list(self.sampling.stop_token_ids)},
         }
 
@@ -147,6 +147,23 @@ class Suite:
     def baseline(self) -> Cell | None:
         """The full-KV cell every other record pairs against: the first LLM method with mode ``none``."""
         return next((c for c in self.cells if c.compaction.mode == "none" and c.trainer is None), None)
+
+
+#: ``CompactionConfig`` fields added after records were first written, each with the value that
+#: reproduces the behaviour from before it existed. At that value a field is left out of a cell's
+#: config (and so of its hash): adding a behaviour-preserving field orphans no record, while any
+#: other value (or a changed default) changes the hash as it must (docs/leaderboard.md).
+NEUTRAL_LATER_FIELDS: dict[str, Any] = {"refit_values": True}
+
+
+def hashed_compaction(compaction: Any) -> dict[str, Any]:
+    """A cell's ``compaction`` block as records hash it: ``to_dict()`` without the
+    :data:`NEUTRAL_LATER_FIELDS` at their neutral values."""
+    return {
+        k: v
+        for k, v in compaction.to_dict().items()
+        if not (k in NEUTRAL_LATER_FIELDS and v == NEUTRAL_LATER_FIELDS[k])
+    }
 
 
 def sha256_json(value: Any) -> str:

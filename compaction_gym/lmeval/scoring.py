@@ -94,8 +94,8 @@ def make_cells(
     """One cell per (mode, budget), ``none`` once (first) when ``reference`` or asked for.
 
     ``base``: other :class:`CompactionConfig` fields for every compacting cell (``compact_window``
-    unset: each budget's default ``budget // 2``). A mode may carry ``+beta``
-    (``attention_matching+beta``: ``compute_beta=True``).
+    unset: each budget's default ``budget // 2``). A mode may carry flags (:func:`parse_mode`:
+    ``attention_matching+beta+keep+repeat``).
 
     Raises:
         InvalidArgumentError: an unknown mode, a compacting mode without a budget, or a field
@@ -113,21 +113,50 @@ def make_cells(
     for mode in names:
         if mode == "none":
             continue
-        beta = mode.endswith(BETA_SUFFIX)
-        plain = mode.removesuffix(BETA_SUFFIX)
-        if plain not in COMPACTION_MODES or plain == "none":
-            choices = [m for m in COMPACTION_MODES if m != "none"] + [f"attention_matching{BETA_SUFFIX}"]
-            raise InvalidArgumentError(
-                f"modes: unknown mode {mode!r}; choose from none, {', '.join(choices)}"
-            )
+        plain, fields = parse_mode(mode)
         for budget in budgets:
             if budget is None:
                 raise InvalidArgumentError(f"modes: {mode!r} needs a KV budget (--max-kv-len or --budgets)")
-            config = CompactionConfig(
-                **{**base, "mode": plain, "max_kv_len": int(budget), "compute_beta": beta}
-            )
+            config = CompactionConfig(**{**base, **fields, "mode": plain, "max_kv_len": int(budget)})
             cells.append(Cell(f"{mode}@{budget}", config))
     return cells
+
+
+#: ``--modes`` flags after ``+`` and the :class:`CompactionConfig` fields they set; probe-source flags
+#: combine (``+suffix+repeat``: ``queries="suffix+repeat"``).
+MODE_FLAGS = {"beta": ("compute_beta", True), "keep": ("refit_values", False)}
+_SOURCE_FLAGS = ("suffix", "keys", "random", "repeat")
+
+
+def parse_mode(name: str) -> tuple[str, dict[str, Any]]:
+    """``attention_matching+beta+keep+repeat`` → ``("attention_matching", {compute_beta: True, ...})``.
+
+    Flags: ``beta`` (fit β), ``keep`` (keep the original values: ``refit_values=False``) and the
+    probe sources ``suffix``, ``keys``, ``random``, ``repeat`` (two join with ``+``, as
+    ``PROBE_SOURCES`` spells them). Without ``beta`` a cell has ``compute_beta=False``.
+
+    Raises:
+        InvalidArgumentError: an unknown mode or flag.
+    """
+    plain, *flags = name.split("+")
+    if plain not in COMPACTION_MODES or plain == "none":
+        choices = [m for m in COMPACTION_MODES if m != "none"] + [f"attention_matching{BETA_SUFFIX}"]
+        raise InvalidArgumentError(f"modes: unknown mode {name!r}; choose from none, {', '.join(choices)}")
+    fields: dict[str, Any] = {"compute_beta": False}
+    sources = []
+    for flag in flags:
+        if flag in MODE_FLAGS:
+            key, value = MODE_FLAGS[flag]
+            fields[key] = value
+        elif flag in _SOURCE_FLAGS:
+            sources.append(flag)
+        else:
+            raise InvalidArgumentError(
+                f"modes: unknown flag {flag!r} in {name!r}; flags: {', '.join([*MODE_FLAGS, *_SOURCE_FLAGS])}"
+            )
+    if sources:
+        fields["queries"] = "+".join(sorted(sources, key=_SOURCE_FLAGS.index))
+    return plain, fields
 
 
 def piece_bytes(tokenizer: Any, ids: Sequence[int]) -> list[int]:

@@ -144,6 +144,7 @@ class CompactionFields(_Request):
     n_probe_queries: int = _cc("n_probe_queries")
     compute_beta: bool = _cc("compute_beta")
     ridge: float = _cc("ridge")
+    refit_values: bool = _cc("refit_values")
     inject_budget_message: bool = _cc("inject_budget_message")
     budget_message_template: str = _cc("budget_message_template")
     budget_message_frame: list[Annotated[str, Field(max_length=4096)]] | None = _cc(

@@ -15,7 +15,8 @@ rebuilds the rollout's cache with the trainer's own model, segment by segment:
    β by NNLS would amplify the tiny K/V differences between rollout and replay), the *same*
    probes (:func:`~compaction_gym.compaction.event_probes`; ``suffix``: the post-RoPE queries this
    replay's own forward produced at ``probe_logical_range``; ``keys``: the recorded ``probe_rows``;
-   ``random``: ``random_probes(probe_seed, index, ...)``), the β already on the cache as
+   ``random``: ``random_probes(probe_seed, index, ...)``; ``repeat``: the queries of the recorded
+   ``probe_tokens`` fed over this replay's cache by a scratch forward), the β already on the cache as
    ``key_bias``, the session's ``ridge``; the cache length before and after and the logical span
    are checked against the record (records without β or ``probe_rows`` — format version 1 —
    refit β and locate the key probes from their logical range);
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 from compaction_gym.compaction import RowMap, apply_event, event_probes
 from compaction_gym.compaction.events import CompactionEvent
-from compaction_gym.compaction.modes import REFIT_MODES
+from compaction_gym.compaction.modes import REPEAT_SOURCES, SUFFIX_SOURCES, replay_needs_probes
 from compaction_gym.compaction.probes import key_probe_rows_of_range
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.errors import InvalidArgumentError
@@ -219,7 +220,10 @@ def replay_logprobs_batch(
             _forward(model, active, layout, fused_lm_head, compute_entropy, return_logits,
                      max_tokens_per_forward)  # fmt: skip
             for row in active:
-                row.apply_due_events(grad and grad_through_compaction)
+                row.apply_due_events(
+                    grad and grad_through_compaction,
+                    lambda r, ids, start: _harvest(model, r, layout, ids, start),
+                )
             active = [r for r in rows if r.fed < r.end]
     return ReplayOutput(
         logprobs=[r.collect(r.scored_lp) for r in rows],
@@ -297,6 +301,7 @@ class _Row:
         self.row_map = RowMap()
         self.fed = 0
         self.probe_chunks: list[tuple[int, torch.Tensor]] = []  # (first position, [L, H_q, n, d])
+        self.harvest: Any = None  # set by apply_due_events: the scratch forward of repeat probes
         self.scored_pos: list[torch.Tensor] = []
         self.scored_lp: list[torch.Tensor] = []
         self.scored_ent: list[torch.Tensor] = []
@@ -316,7 +321,9 @@ class _Row:
         floors = [
             e.probe_logical_range[0]
             for e in self.events[self.next_event :]
-            if e.mode in REFIT_MODES and e.probe_source == "suffix" and e.probe_logical_range
+            if replay_needs_probes(e.mode, e.refit_values)
+            and e.probe_source in SUFFIX_SOURCES
+            and e.probe_logical_range
         ]
         return min(floors) if floors else None
 
@@ -349,7 +356,9 @@ class _Row:
         return flat.new_zeros(len(self.tokens)).index_put((torch.cat(self.scored_pos),), flat)
 
     # ---------------------------------------------------------------- events
-    def apply_due_events(self, through: bool) -> None:
+    def apply_due_events(self, through: bool, harvest: Any = None) -> None:
+        """Apply the events due now; ``harvest(row, token_ids, start)`` runs ``repeat`` probes' scratch forward."""
+        self.harvest = harvest
         while self.next_event < len(self.events) and self.events[self.next_event].logical_len == self.fed:
             self._apply(self.events[self.next_event], through)
             self.next_event += 1
@@ -380,7 +389,7 @@ class _Row:
         res = apply_event(
             keys,
             values,
-            self._probes(ev, keys) if ev.mode in REFIT_MODES else None,
+            self._probes(ev, keys) if replay_needs_probes(ev.mode, ev.refit_values) else None,
             mode=ev.mode,
             span=ev.span,
             target=t,
@@ -391,6 +400,7 @@ class _Row:
             indices=ev.forced_indices().to(self.device),
             beta=None if recorded is None else recorded.to(self.device),
             differentiable=torch.is_grad_enabled(),
+            refit_values=ev.refit_values,
         )
         block_k, block_v, block_beta = res.keys, res.values, res.beta
         if not through:
@@ -417,7 +427,7 @@ class _Row:
         """The event's probe queries ``[L·H_kv, n, d]``, regenerated from the replay."""
         lay = self.layout
         where = f"trajectory {self.index}, event {ev.index}"
-        rows = queries = None
+        rows = queries = repeat_q = None
         if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
             raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
         if ev.probe_source == "keys":
@@ -432,7 +442,7 @@ class _Row:
                     )
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"{where}: {exc}") from None
-        elif ev.probe_source == "suffix":
+        elif ev.probe_source in SUFFIX_SOURCES and ev.probe_logical_range is not None:
             a, b = ev.probe_logical_range
             parts = []
             for first, q in self.probe_chunks:
@@ -446,10 +456,14 @@ class _Row:
                     f"positions [{a}, {b}) but only {got} of them were fed before the event"
                 )
             queries = torch.cat(parts, dim=2)
+        if ev.probe_source in REPEAT_SOURCES:
+            if not ev.probe_tokens:
+                raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without probe_tokens")
+            repeat_q = self.harvest(self, ev.probe_tokens, self.fed)
         try:
             return event_probes(
                 ev.probe_source, keys, n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, n_probe=self.n_probe,
-                event_index=ev.index, seed=ev.probe_seed, rows=rows, queries=queries,
+                event_index=ev.index, seed=ev.probe_seed, rows=rows, queries=queries, repeat_queries=repeat_q,
             )  # fmt: skip
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"trajectory {self.index}: {exc}") from None
@@ -529,6 +543,33 @@ def _forward(
         if rnd.record_queries:
             queries = torch.stack([rnd.queries[layer][b, :, :n] for layer in range(layout.n_layers)])
         r.append(keys, values, queries)
+
+
+def _harvest(
+    model: torch.nn.Module, row: _Row, layout: ModelLayout, token_ids: Sequence[int], start: int
+) -> torch.Tensor:
+    """Post-RoPE queries ``[L, H_q, n, d]`` of ``token_ids`` fed at logical positions ``start ..``
+    over ``row``'s cache as it stands (its β included), without changing the row: the engine's
+    scratch forward of ``repeat`` probes (``engine.compactor.harvest_queries``), rebuilt. The
+    queries are constants (no gradient), like the recorded β."""
+    n, device = len(token_ids), row.device
+    groups = layout.n_q_heads // layout.n_kv_heads
+    rnd = ReplayRound(
+        past_keys=_stack_past([row.k], row.length, layout),
+        past_values=_stack_past([row.v], row.length, layout),
+        beta=_stack_beta([row], row.length + n) if row.has_beta else None,
+        mask=round_mask([row.length], [n], groups, device),
+        record_queries=True,
+    )
+    with torch.no_grad():
+        model(
+            input_ids=torch.tensor([list(token_ids)], device=device),
+            position_ids=torch.arange(start, start + n, device=device)[None],
+            use_cache=False,
+            replay_round=rnd,
+            logits_to_keep=1,
+        )
+    return torch.stack([rnd.queries[layer][0, :, :n] for layer in range(layout.n_layers)]).detach()
 
 
 def _stack_past(caches: list[torch.Tensor | None], width: int, layout: ModelLayout) -> list[torch.Tensor]:

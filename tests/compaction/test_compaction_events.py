@@ -118,8 +118,9 @@ def test_v2_round_trip_is_lossless(seed, target):
     event = _v2_event(seed, target)
     assert event.beta.dtype == torch.float32  # recorded as the cache stores it
     d = json.loads(event.to_json())
-    assert d["version"] == EVENT_FORMAT_VERSION == 2
+    assert d["version"] == EVENT_FORMAT_VERSION == 3
     assert d["probe_rows"] == [80, 96] and d["beta"]["dtype"] == "float32"
+    assert d["probe_tokens"] is None and d["refit_values"] is True
     raw = base64.b64decode(d["beta"]["data"])
     assert len(raw) == 4 * 12 * target
     # little-endian float32, C order: an independent decode with struct
@@ -138,14 +139,29 @@ def test_version_1_dicts_still_load():
     back = CompactionEvent.from_dict(json.loads(json.dumps(old)))
     assert back.beta is None and back.probe_rows is None and back.recorded_beta() is None
     assert torch.equal(back.indices, event.indices) and back.probe_logical_range == (100, 116)
-    assert back.to_dict()["version"] == 2  # re-saved in the current format
+    assert back.to_dict()["version"] == 3  # re-saved in the current format
     assert CompactionEvent.from_dict(dict(old, version=1)) == back
+
+
+def test_version_3_fields_round_trip_and_default():
+    """Format 3 adds ``probe_tokens`` (repeat probes) and ``refit_values``; older records refit C2."""
+    event = _v2_event(1, 3)
+    new = CompactionEvent(**{**event.__dict__, "probe_source": "repeat", "probe_tokens": [5, 6, 7], "refit_values": False})
+    d = json.loads(new.to_json())
+    assert d["probe_tokens"] == [5, 6, 7] and d["refit_values"] is False
+    back = CompactionEvent.from_dict(d)
+    assert back == new and back.probe_tokens == (5, 6, 7) and back.refit_values is False
+    v2 = {k: v for k, v in event.to_dict().items() if k not in ("probe_tokens", "refit_values")}
+    old = CompactionEvent.from_dict(dict(v2, version=2))
+    assert old.probe_tokens is None and old.refit_values is True
+    with pytest.raises(InvalidArgumentError, match="refit_values"):
+        CompactionEvent(**{**event.__dict__, "refit_values": "no"})
 
 
 def test_v2_bad_fields_raise():
     event = _v2_event(1, 3)
     d = event.to_dict()
-    for version in (0, 3, "2", True):
+    for version in (0, 4, "2", True):
         with pytest.raises(InvalidArgumentError, match="version"):
             CompactionEvent.from_dict(dict(d, version=version))
     with pytest.raises(InvalidArgumentError, match="beta"):

@@ -86,3 +86,31 @@ def test_overlapping_seeds_and_unknown_names(tmp_path):
     assert suite.cells[0].budget.label == "r0.25" and suite.cells[0].compaction.max_kv_len == 250
     assert suite.cells[0].compaction.compact_window == 125
     assert suite.cells[0].env_seeds(10) == [10, 11] and suite.cells[0].run_seed(11) == 10
+
+
+def test_committed_records_match_the_shipped_suites():
+    """A new CompactionConfig field must not orphan the committed records: its neutral value stays
+    out of the hash (suite.NEUTRAL_LATER_FIELDS), any other value changes it."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "records"
+    records = sorted(root.glob("*/*/*/submission.json"))
+    assert records, "no committed records"
+    for path in records:
+        rec = json.loads(path.read_text())
+        cell = load_suite(rec["suite"]["name"]).cell(rec["method"], rec["budget"]["label"])
+        assert cell.config_sha256() == rec["config_sha256"], path
+
+
+def test_neutral_later_fields_stay_out_of_the_hash_only_at_their_neutral_value():
+    import dataclasses
+
+    from compaction_gym.leaderboard.suite import NEUTRAL_LATER_FIELDS
+
+    cell = next(c for c in load_suite("babyai-memory").cells if c.compaction.mode == "attention_matching")
+    assert not NEUTRAL_LATER_FIELDS.keys() & cell.config()["compaction"].keys()
+    for name, neutral in NEUTRAL_LATER_FIELDS.items():
+        other = dataclasses.replace(cell, compaction=dataclasses.replace(cell.compaction, **{name: not neutral}))
+        assert other.config()["compaction"][name] == (not neutral)
+        assert other.config_sha256() != cell.config_sha256()

@@ -249,11 +249,12 @@ def compact_fast(
     beta_iters: int = FISTA_ITERS,
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
+    refit_values: bool = True,
 ) -> CompactionResult:
     """:func:`~compaction_gym.compaction.api` with the fused GPU path for Attention Matching.
 
     Same arguments and result (``query_positions`` and ``n_kv_heads`` only matter to the
-    selection baselines, which go to ``compact``). Runs the fused kernels when ``mode="attention_matching"``, the
+    selection baselines, which go to ``compact``; so does ``refit_values=False``). Runs the fused kernels when ``mode="attention_matching"``, the
     tensors are on a CUDA device with Triton available, no ``forced_indices`` are given and the
     head dim is a power of two ≥ 16; everything else is delegated to ``compact`` (which also
     validates arguments: the fast path assumes the engine's already-valid inputs).
@@ -265,6 +266,7 @@ def compact_fast(
     d = keys.shape[-1] if isinstance(keys, torch.Tensor) and keys.dim() == 3 else 0
     fast = (
         mode == "attention_matching"
+        and refit_values is True
         and forced_indices is None
         and isinstance(queries, torch.Tensor)
         and use_triton(keys)
@@ -277,7 +279,7 @@ def compact_fast(
         return compact(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, forced_indices=forced_indices,
             scale=scale, key_bias=key_bias, ridge=ridge, seed=seed, query_positions=query_positions,
-            n_kv_heads=n_kv_heads,
+            n_kv_heads=n_kv_heads, refit_values=refit_values,
         )  # fmt: skip
     start, end = span
     scale = scale if scale is not None else d**-0.5
