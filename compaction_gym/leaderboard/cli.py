@@ -100,32 +100,20 @@ def main_run(args: argparse.Namespace) -> int:
         if suite_kind(args.suite) == LM_KIND:
             return _run_lm(args, engine)
         suite = load_suite(args.suite)
+        common: dict[str, Any] = {
+            "methods": args.methods,
+            "budgets": args.budgets,
+            "seeds": args.seeds,
+            "output": args.output,
+            "engine_kwargs": engine,
+            "progress": not args.no_progress,
+            "limit_episodes": args.limit_episodes,
+            "tensorboard": not args.no_tensorboard,
+        }
         if args.jobs != 1 or args.time_limit is not None:
-            paths = run_suite_parallel(
-                suite,
-                jobs=args.jobs,
-                time_limit=args.time_limit,
-                methods=args.methods,
-                budgets=args.budgets,
-                seeds=args.seeds,
-                output=args.output,
-                engine_kwargs=engine,
-                progress=not args.no_progress,
-                limit_episodes=args.limit_episodes,
-                tensorboard=not args.no_tensorboard,
-            )
+            paths = run_suite_parallel(suite, jobs=args.jobs, time_limit=args.time_limit, **common)
         else:
-            paths = run_suite(
-                suite,
-                methods=args.methods,
-                budgets=args.budgets,
-                seeds=args.seeds,
-                output=args.output,
-                engine_kwargs=engine,
-                progress=not args.no_progress,
-                limit_episodes=args.limit_episodes,
-                tensorboard=not args.no_tensorboard,
-            )
+            paths = run_suite(suite, **common)
     except RunIncomplete as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
         return 3
