@@ -57,9 +57,14 @@ FULL = Budget("full", None, None, None)
 class SuiteCell(Protocol):
     """What every kind of cell has: its suite, method and budget (``OUTPUT/SUITE/METHOD/BUDGET``)."""
 
-    suite: str
-    method: str
-    budget: Budget
+    @property
+    def suite(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def budget(self) -> Budget: ...
+    @property
+    def key(self) -> str: ...
 
 
 C = TypeVar("C", bound=SuiteCell)
