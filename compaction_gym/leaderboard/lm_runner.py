@@ -198,8 +198,8 @@ def write_lm_record(suite: LmSuite, cell: LmCell, output: str | Path, run: dict[
 
 
 def lm_baseline(suite: LmSuite) -> LmCell | None:
-    """The full-cache cell without a mixer (the first method with mode ``none``)."""
-    return next((c for c in suite.cells if c.compaction.mode == "none" and c.mixer is None), None)
+    """The full-cache cell without a mixer (:attr:`LmSuite.baseline`)."""
+    return suite.baseline
 
 
 def read_lines(directory: Path) -> list[dict[str, Any]]:

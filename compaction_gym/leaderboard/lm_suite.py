@@ -100,6 +100,12 @@ class LmSuite(SuiteFile[LmCell]):
     def seeds(self) -> list[int]:
         return [int(s) for s in self.data["seeds"]]
 
+    @property
+    def baseline(self) -> LmCell | None:
+        """The full-cache cell without a mixer (the first method with mode ``none``): every other
+        record pairs against it."""
+        return next((c for c in self.cells if c.compaction.mode == "none" and c.mixer is None), None)
+
 
 def _budget(where: str, spec: dict[str, Any]) -> Budget:
     check_keys(where, spec, LM_BUDGET_KEYS)
