@@ -3,12 +3,12 @@ and a bits-per-byte-vs-budget plot (docs/leaderboard.md, "Language-modelling sui
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult
 from compaction_gym.leaderboard.lm_record import LM_RECORD_SCHEMA
+from compaction_gym.leaderboard.plots import records_by_method, save_plot, score_errorbar
 
 LM_COLUMNS = (
     "rank", "method", "budget", "bits/byte", "seeds SE", "Δ bpb vs none [95% CI]", "p (t / W / sign)",
@@ -67,9 +67,7 @@ def lm_plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_d
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec, _ in entries:
-        by_method[rec["method"]].append(rec)
+    by_method = records_by_method(entries)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     for method, recs in sorted(by_method.items()):
         sized = sorted(
@@ -81,17 +79,9 @@ def lm_plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_d
             )
             continue
         xs = [r["budget"]["max_kv_len"] for r in sized]
-        ys = [r["results"]["score"]["mean"] for r in sized]
-        es = [r["results"]["score"]["se"] or 0.0 for r in sized]
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+        score_errorbar(ax, xs, sized, method)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV budget (max_kv_len, rows)")
     ax.set_ylabel("bits per byte (lower is better)")
     ax.set_title(f"{suite}: bits per byte vs KV budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / f"{suite}_budget.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return [path]
+    return [save_plot(fig, ax, out_dir / f"{suite}_budget.png")]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult, check_record, find_records
+from compaction_gym.leaderboard.plots import records_by_method, save_plot, score_errorbar
 
 COLUMNS = (
     "rank", "method", "budget", "max KV", "score %", "seeds SE", "Δ vs none [95% CI]", "p (t / W / sign)",
@@ -108,9 +109,7 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec, _ in entries:
-        by_method[rec["method"]].append(rec)
+    by_method = records_by_method(entries)
     paths = []
     for kind, xlabel in (
         ("budget", "KV budget (max_kv_len, rows)"),
@@ -149,23 +148,16 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
                 if not recs:
                     continue
                 xs = [r["results"]["kv"]["compression_ratio"] for r in recs]
-            ys = [r["results"]["score"]["mean"] for r in recs]
-            es = [r["results"]["score"]["se"] or 0.0 for r in recs]
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+            score_errorbar(ax, xs, recs, method)
         ax.set_ylim(-3, 103)
         if kind == "budget":
             ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("score (progression %, mean ± SE)")
         ax.set_title(f"{suite}: score vs {'KV budget' if kind == 'budget' else 'compression ratio'}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{suite}_{kind}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_plot(fig, ax, out_dir / f"{suite}_{kind}.png"))
     return paths
+
 
 
 def html_page(
