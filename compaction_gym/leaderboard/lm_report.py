@@ -8,7 +8,13 @@ from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult
 from compaction_gym.leaderboard.lm_record import LM_RECORD_SCHEMA
-from compaction_gym.leaderboard.plots import records_by_method, save_plot, score_errorbar
+from compaction_gym.leaderboard.report_parts import (
+    comparison_cells,
+    dash,
+    records_by_method,
+    save_plot,
+    score_errorbar,
+)
 
 LM_COLUMNS = (
     "rank", "method", "budget", "bits/byte", "seeds SE", "Δ bpb vs none [95% CI]", "p (t / W / sign)",
@@ -21,7 +27,7 @@ def is_lm(record: dict[str, Any]) -> bool:
 
 
 def _f(x: Any, fmt: str = ".4f") -> str:
-    return "–" if x is None else format(x, fmt)
+    return dash(x, fmt)
 
 
 def lm_rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
@@ -31,12 +37,8 @@ def lm_rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]
     for i, (rec, verdict) in enumerate(ranked, 1):
         res, comp = rec["results"], rec.get("comparison_vs_none")
         seeds = res["per_seed"]
-        delta = p = wins = "–"
-        if comp:
-            lo, hi = comp["ci95"]
-            delta = f"{comp['mean_diff']:+.4f} [{_f(lo, '+.4f')}, {_f(hi, '+.4f')}]"
-            p = f"{comp['t_pvalue']:.3g} / {comp['wilcoxon_pvalue']:.3g} / {comp['sign_pvalue']:.3g}"
-            wins = f"{comp['wins']} / {comp['losses']}"
+        delta, p = comparison_cells(comp, "+.4f", "+.4f", ".3g")
+        wins = f"{comp['wins']} / {comp['losses']}" if comp else "–"
         out.append(
             [
                 str(i),

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult, check_record, find_records
-from compaction_gym.leaderboard.plots import records_by_method, save_plot, score_errorbar
+from compaction_gym.leaderboard.report_parts import (
+    comparison_cells,
+    dash,
+    records_by_method,
+    save_plot,
+    score_errorbar,
+)
 
 COLUMNS = (
     "rank", "method", "budget", "max KV", "score %", "seeds SE", "Δ vs none [95% CI]", "p (t / W / sign)",
@@ -26,7 +32,7 @@ COLUMNS = (
 
 
 def _f(x: Any, fmt: str = ".1f") -> str:
-    return "–" if x is None else format(x, fmt)
+    return dash(x, fmt)
 
 
 def load_records(root: str | Path) -> dict[str, list[tuple[dict[str, Any], CheckResult]]]:
@@ -51,11 +57,7 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
         res, comp = rec["results"], rec.get("comparison_vs_none")
         kv, tokens = res["kv"], res["tokens"]
         no_kv = kv is None  # an agent without a KV cache (the sb3_ppo reference row)
-        delta = p = "–"
-        if comp:
-            lo, hi = comp["ci95"]
-            delta = f"{comp['mean_diff']:+.1f} [{_f(lo)}, {_f(hi)}]"
-            p = f"{comp['t_pvalue']:.3f} / {comp['wilcoxon_pvalue']:.3f} / {comp['sign_pvalue']:.3f}"
+        delta, p = comparison_cells(comp, "+.1f", ".1f", ".3f")
         out.append(
             [
                 str(i),
@@ -157,7 +159,6 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
         ax.set_title(f"{suite}: score vs {'KV budget' if kind == 'budget' else 'compression ratio'}")
         paths.append(save_plot(fig, ax, out_dir / f"{suite}_{kind}.png"))
     return paths
-
 
 
 def html_page(

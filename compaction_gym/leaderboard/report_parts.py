@@ -1,6 +1,6 @@
-"""Plot pieces both leaderboard reports share (:mod:`.report` for env suites, :mod:`.lm_report`
-for language-modelling ones; docs/leaderboard.md, "Show"): records grouped by method, a method's
-score-with-SE line, and the figure's finish."""
+"""Pieces both leaderboard reports share (:mod:`.report` for env suites, :mod:`.lm_report` for
+language-modelling ones; docs/leaderboard.md, "Show"): number cells, a paired comparison's cells,
+records grouped by method, a method's score-with-SE line, and the figure's finish."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult
+
+
+def dash(x: Any, fmt: str) -> str:
+    """``x`` formatted by ``fmt``; ``–`` for ``None``."""
+    return "–" if x is None else format(x, fmt)
+
+
+def comparison_cells(comp: dict[str, Any] | None, diff: str, ci: str, p: str) -> tuple[str, str]:
+    """The ``Δ [95% CI]`` and ``p (t / W / sign)`` cells of a paired comparison (``–`` without one)."""
+    if not comp:
+        return "–", "–"
+    lo, hi = comp["ci95"]
+    delta = f"{format(comp['mean_diff'], diff)} [{dash(lo, ci)}, {dash(hi, ci)}]"
+    return delta, " / ".join(format(comp[k], p) for k in ("t_pvalue", "wilcoxon_pvalue", "sign_pvalue"))
 
 
 def records_by_method(entries: list[tuple[dict[str, Any], CheckResult]]) -> dict[str, list[dict[str, Any]]]:
