@@ -20,6 +20,7 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.leaderboard.suite import (
     FULL,
     Budget,
+    CellBase,
     SuiteFile,
     check_keys,
     check_max_kv_len,
@@ -27,7 +28,6 @@ from compaction_gym.leaderboard.suite import (
     method_compaction,
     named_methods,
     read_suite_toml,
-    sha256_json,
 )
 from compaction_gym.lmeval.mixer import MIXERS, MixerConfig
 
@@ -52,7 +52,7 @@ def is_random(compaction: CompactionConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class LmCell:
+class LmCell(CellBase):
     """One (method, budget) of an lm suite: everything its record was run with."""
 
     suite: str
@@ -70,10 +70,6 @@ class LmCell:
     mixer_name: str | None = None
     batch: int = 8
 
-    @property
-    def key(self) -> str:
-        return f"{self.method}/{self.budget.label}"
-
     def config(self) -> dict[str, Any]:
         """What ``config_sha256`` hashes (the text by its sha256, not its path)."""
         return {
@@ -87,9 +83,6 @@ class LmCell:
             "compaction": self.compaction.to_dict(),
             "mixer": None if self.mixer is None else {"name": self.mixer_name, **self.mixer.to_dict()},
         }
-
-    def config_sha256(self) -> str:
-        return sha256_json(self.config())
 
 
 @dataclass

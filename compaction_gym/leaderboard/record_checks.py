@@ -15,7 +15,7 @@ from typing import Any
 from compaction_gym.errors import CompactionGymError
 from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.record import RECORD_FILE, content_hash_ok
-from compaction_gym.leaderboard.suite import C, SuiteCell, SuiteFile, sha256_json
+from compaction_gym.leaderboard.suite import C, CellBase, SuiteFile, sha256_json
 
 
 def json_close(a: Any, b: Any, *, abs_tol: float = 1e-9) -> bool:
@@ -74,7 +74,7 @@ def suite_and_cell(
 def paired_failures(
     path: Path,
     record: dict[str, Any],
-    base: SuiteCell | None,
+    base: CellBase | None,
     recompute: Callable[[dict[str, Any], Path], dict[str, Any] | None],
     source: str = "episodes",
     rerun: str = "re-run `leaderboard run` to refresh",

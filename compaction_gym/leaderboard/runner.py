@@ -45,12 +45,12 @@ from compaction_gym.leaderboard.store import (
     sha256_file,
     write_json_atomic,
 )
-from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, Suite, SuiteCell, SuiteFile
+from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, CellBase, Suite, SuiteFile
 from compaction_gym.models.registry import resolve_model
 from compaction_gym.provenance import provenance
 
 
-def cell_dir(output: str | Path, cell: SuiteCell) -> Path:
+def cell_dir(output: str | Path, cell: CellBase) -> Path:
     """A cell's folder of either suite kind: ``OUTPUT/SUITE/METHOD/BUDGET``."""
     return Path(output) / cell.suite / cell.method / cell.budget.label
 

@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
@@ -54,24 +54,30 @@ class Budget:
 FULL = Budget("full", None, None, None)
 
 
-class SuiteCell(Protocol):
-    """What every kind of cell has: its suite, method and budget (``OUTPUT/SUITE/METHOD/BUDGET``)."""
-
-    @property
-    def suite(self) -> str: ...
-    @property
-    def method(self) -> str: ...
-    @property
-    def budget(self) -> Budget: ...
-    @property
-    def key(self) -> str: ...
+C = TypeVar("C", bound="CellBase")
 
 
-C = TypeVar("C", bound=SuiteCell)
+class CellBase:
+    """What every kind of cell derives from its fields: its ``METHOD/BUDGET`` key and the sha256 of
+    its :meth:`config` (a record's ``config_sha256``); its folder is ``OUTPUT/SUITE/METHOD/BUDGET``."""
+
+    suite: str
+    method: str
+    budget: Budget
+
+    def config(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define config()")
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}/{self.budget.label}"
+
+    def config_sha256(self) -> str:
+        return sha256_json(self.config())
 
 
 @dataclass(frozen=True)
-class Cell:
+class Cell(CellBase):
     """One (method, budget) of a suite: everything a record of it was run with."""
 
     suite: str
@@ -91,10 +97,6 @@ class Cell:
     capacity: int | None = None
     #: an agent trained outside the engine (``{"agent": "sb3_ppo", ...}``); ``None``: the LLM
     trainer: dict[str, Any] | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.method}/{self.budget.label}"
 
     def env_seeds(self, seed: int) -> list[int]:
         """The env seeds run seed ``seed`` plays: ``seed, …, seed + episodes − 1`` in every task."""
@@ -132,9 +134,6 @@ class Cell:
             "compaction": self.compaction.to_dict(),
             "sampling": {**self.sampling.to_dict(), "stop_token_ids": list(self.sampling.stop_token_ids)},
         }
-
-    def config_sha256(self) -> str:
-        return sha256_json(self.config())
 
 
 @dataclass
