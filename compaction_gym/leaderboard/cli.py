@@ -88,44 +88,15 @@ def register(subparsers: Any) -> None:
 
 def main_run(args: argparse.Namespace) -> int:
     from compaction_gym.leaderboard.lm_suite import LM_KIND, suite_kind
-    from compaction_gym.leaderboard.parallel import RunIncomplete, run_suite_parallel
-    from compaction_gym.leaderboard.runner import run_suite
-    from compaction_gym.leaderboard.suite import load_suite
+    from compaction_gym.leaderboard.parallel import RunIncomplete
 
     engine = {
         k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("capacity", args.capacity)) if v
     }
     try:
         check_output_dir(args.output, "--output")
-        if suite_kind(args.suite) == LM_KIND:
-            return _run_lm(args, engine)
-        suite = load_suite(args.suite)
-        if args.jobs != 1 or args.time_limit is not None:
-            paths = run_suite_parallel(
-                suite,
-                jobs=args.jobs,
-                time_limit=args.time_limit,
-                methods=args.methods,
-                budgets=args.budgets,
-                seeds=args.seeds,
-                output=args.output,
-                engine_kwargs=engine,
-                progress=not args.no_progress,
-                limit_episodes=args.limit_episodes,
-                tensorboard=not args.no_tensorboard,
-            )
-        else:
-            paths = run_suite(
-                suite,
-                methods=args.methods,
-                budgets=args.budgets,
-                seeds=args.seeds,
-                output=args.output,
-                engine_kwargs=engine,
-                progress=not args.no_progress,
-                limit_episodes=args.limit_episodes,
-                tensorboard=not args.no_tensorboard,
-            )
+        run = _run_lm if suite_kind(args.suite) == LM_KIND else _run_env
+        paths = run(args, engine)
     except RunIncomplete as exc:
         print(f"compaction-gym leaderboard run: {exc}", file=sys.stderr)
         return 3
@@ -152,7 +123,30 @@ def main_cells(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_lm(args: argparse.Namespace, engine: dict[str, Any]) -> int:
+def _run_env(args: argparse.Namespace, engine: dict[str, Any]) -> list[Any]:
+    """``leaderboard run`` of an env suite: in this process, or in workers with ``--jobs`` /
+    ``--time-limit``."""
+    from compaction_gym.leaderboard.parallel import run_suite_parallel
+    from compaction_gym.leaderboard.runner import run_suite
+    from compaction_gym.leaderboard.suite import load_suite
+
+    suite = load_suite(args.suite)
+    common: dict[str, Any] = {
+        "methods": args.methods,
+        "budgets": args.budgets,
+        "seeds": args.seeds,
+        "output": args.output,
+        "engine_kwargs": engine,
+        "progress": not args.no_progress,
+        "limit_episodes": args.limit_episodes,
+        "tensorboard": not args.no_tensorboard,
+    }
+    if args.jobs != 1 or args.time_limit is not None:
+        return run_suite_parallel(suite, jobs=args.jobs, time_limit=args.time_limit, **common)
+    return run_suite(suite, **common)
+
+
+def _run_lm(args: argparse.Namespace, engine: dict[str, Any]) -> list[Any]:
     """``leaderboard run`` of a language-modelling suite (``kind = "lm"``)."""
     from compaction_gym.errors import InvalidArgumentError
     from compaction_gym.leaderboard.lm_runner import run_lm_suite
@@ -160,7 +154,7 @@ def _run_lm(args: argparse.Namespace, engine: dict[str, Any]) -> int:
 
     if args.limit_episodes is not None:
         raise InvalidArgumentError("--limit-episodes: an lm suite has no episodes (its text has max_tokens)")
-    paths = run_lm_suite(
+    return run_lm_suite(
         load_lm_suite(args.suite),
         methods=args.methods,
         budgets=args.budgets,
@@ -168,9 +162,6 @@ def _run_lm(args: argparse.Namespace, engine: dict[str, Any]) -> int:
         output=args.output,
         engine_kwargs=engine,
     )
-    for p in paths:
-        print(f"wrote {p}")
-    return 0
 
 
 def main_show(args: argparse.Namespace) -> int:

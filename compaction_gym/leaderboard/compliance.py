@@ -13,7 +13,6 @@ Language-modelling records have their own rules (:mod:`compaction_gym.leaderboar
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +31,13 @@ from compaction_gym.leaderboard.lm_record import LM_RECORD_SCHEMA
 from compaction_gym.leaderboard.record import (
     RECORD_FILE,
     TRAJECTORIES_FILE,
-    content_hash_ok,
     finite,
     results,
     schema_errors,
 )
+from compaction_gym.leaderboard.record_checks import json_close, paired_failures, sealed_ok, suite_and_cell
 from compaction_gym.leaderboard.store import sha256_file
-from compaction_gym.leaderboard.suite import Cell, load_suite, sha256_json
+from compaction_gym.leaderboard.suite import load_suite
 
 COMPLIANCE_FILE = "compliance.json"
 
@@ -56,21 +55,6 @@ class CheckResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"record": str(self.path), "ok": self.ok, "failures": self.failures}
-
-
-def _close(a: Any, b: Any) -> bool:
-    """Equal JSON values, floats to 1e-9 relative (``None`` only equals ``None``)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        if isinstance(a, float) and math.isnan(a):
-            return isinstance(b, float) and math.isnan(b)
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-    return a == b
 
 
 def kv_failures(trajs: list[dict[str, Any]], max_kv_len: int | None) -> list[str]:
@@ -122,24 +106,12 @@ def event_failures(trajs: list[dict[str, Any]], protect_prompt: bool) -> list[st
 
 def comparison_failures(path: Path, record: dict[str, Any], suite: Any) -> list[str]:
     """The paired comparison must re-derive from the ``none`` record it names (a sibling cell)."""
-    comp = record["comparison_vs_none"]
-    if comp is None:
-        return []
     from compaction_gym.leaderboard.record import comparison
 
-    base = suite.baseline
-    base_path = path.parents[2] / base.method / base.budget.label / RECORD_FILE if base is not None else None
-    if base_path is None or not base_path.exists():
-        return ["comparison_vs_none: the none record it was computed against is missing"]
-    baseline = json.loads(base_path.read_text())
-    if baseline.get("content_sha256") != comp.get("baseline_content_sha256"):
-        return ["comparison_vs_none is stale: the none record changed (re-run `leaderboard run` to refresh)"]
-    recomputed = comparison(record["results"]["episodes"], baseline["results"]["episodes"])
-    if recomputed is None or not _close(
-        finite({**recomputed, "baseline_content_sha256": baseline["content_sha256"]}), comp
-    ):
-        return ["comparison_vs_none does not match the episodes of this record and the none record"]
-    return []
+    def recompute(baseline: dict[str, Any], _: Path) -> dict[str, Any] | None:
+        return comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+
+    return paired_failures(path, record, suite.baseline, recompute)
 
 
 def _episodes(
@@ -194,29 +166,15 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
     if isinstance(record, dict) and record.get("schema") == LM_RECORD_SCHEMA:
         check_lm_record(path, fail, suite_file)  # a language-modelling record: its own rules
         return result
-    fail.extend(f"schema: {e}" for e in schema_errors(record))
-    if fail:
+    if not sealed_ok(record, schema_errors(record), fail):
         return result
-    if not content_hash_ok(record):
-        fail.append("content hash mismatch: the record was edited after the run")
     # the files: the full trajectories when present, else the audit trail (docs/leaderboard.md)
     loaded = _episodes(path, record, fail)
     if loaded is None:
         return result
     trajs, rows = loaded
     # the config
-    cell: Cell | None = None
-    try:
-        root = Path(__file__).resolve().parents[2]
-        spec = suite_file or (root / record["suite"]["file"])
-        suite = load_suite(spec if Path(spec).is_file() else record["suite"]["name"])
-        cell = suite.cell(record["method"], record["budget"]["label"])
-    except CompactionGymError as exc:
-        fail.append(f"config: suite or cell not found: {exc}")
-    if sha256_json(record["config"]) != record["config_sha256"]:
-        fail.append("config hash does not match the record's config")
-    if cell is not None and cell.config_sha256() != record["config_sha256"]:
-        fail.append("config hash does not match the suite file (the suite or the record changed)")
+    suite, cell = suite_and_cell(record, suite_file, load_suite, fail)
     # seeds and episodes
     if cell is not None:
         if record["seeds"] != cell.seeds:
@@ -236,7 +194,7 @@ def check_record(path: str | Path, suite_file: str | Path | None = None) -> Chec
             fail.append(f"episodes unreadable: {exc}")
         else:
             for key in ("score", "tasks", "per_seed", "across_seeds", "kv", "tokens", "episodes"):
-                if not _close(recomputed[key], record["results"][key]):
+                if not json_close(recomputed[key], record["results"][key]):
                     fail.append(f"results.{key} does not match the episodes")
     # budget and events
     if cell is not None:

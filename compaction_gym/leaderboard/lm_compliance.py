@@ -22,26 +22,15 @@ from compaction_gym.errors import CompactionGymError
 from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.lm_record import lm_comparison, lm_results, lm_schema_errors
 from compaction_gym.leaderboard.lm_suite import LmCell, load_lm_suite
-from compaction_gym.leaderboard.record import RECORD_FILE, content_hash_ok
+from compaction_gym.leaderboard.record_checks import json_close, paired_failures, sealed_ok, suite_and_cell
 from compaction_gym.leaderboard.store import sha256_file
-from compaction_gym.leaderboard.suite import sha256_json
 from compaction_gym.lmeval.mixer import MIXERS, MixerConfig
 from compaction_gym.lmeval.mixer_checks import mixer_failures, single_pass_failures
 
 #: positions sampled per record for the normalisation and causality checks
 CHECK_POSITIONS = 6
-
-
-def _close(a: Any, b: Any) -> bool:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    return a == b
+#: absolute tolerance of recomputed results (:func:`.compliance.json_close`; relative 1e-9)
+LM_ABS_TOL = 1e-12
 
 
 def mixer_check_failures(
@@ -104,11 +93,8 @@ def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | No
     """Append every broken rule of the lm record at ``path`` to ``failures``."""
     fail = failures
     record = json.loads(path.read_text())
-    fail.extend(f"schema: {e}" for e in lm_schema_errors(record))
-    if fail:
+    if not sealed_ok(record, lm_schema_errors(record), fail):
         return
-    if not content_hash_ok(record):
-        fail.append("content hash mismatch: the record was edited after the run")
     scores = path.parent / record["files"]["scores"]["path"]
     if not scores.exists():
         fail.append(f"missing {scores.name}")
@@ -116,20 +102,11 @@ def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | No
     if sha256_file(scores) != record["files"]["scores"]["sha256"]:
         fail.append(f"{scores.name} differs from the one the record was computed from")
     lines = [json.loads(x) for x in scores.read_text().splitlines() if x.strip()]
-    cell: LmCell | None = None
-    try:
-        root = Path(__file__).resolve().parents[2]
-        spec = suite_file or (root / record["suite"]["file"])
-        suite = load_lm_suite(spec if Path(spec).is_file() else record["suite"]["name"])
-        cell = suite.cell(record["method"], record["budget"]["label"])
-    except CompactionGymError as exc:
-        fail.append(f"config: suite or cell not found: {exc}")
-    if sha256_json(record["config"]) != record["config_sha256"]:
-        fail.append("config hash does not match the record's config")
-    if cell is None:
+    suite, cell = suite_and_cell(
+        record, suite_file, load_lm_suite, fail, "the suite, its text or the record changed"
+    )
+    if suite is None or cell is None:
         return
-    if cell.config_sha256() != record["config_sha256"]:
-        fail.append("config hash does not match the suite file (the suite, its text or the record changed)")
     if record["seeds"] != cell.seeds or sorted(int(d["seed"]) for d in lines) != cell.seeds:
         fail.append(f"seeds {sorted(int(d['seed']) for d in lines)} are not the cell's {cell.seeds}")
     if not lines:
@@ -150,7 +127,7 @@ def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | No
         fail.append(f"scores unreadable: {exc}")
         return
     for key in recomputed:
-        if not _close(recomputed[key], record["results"][key]):
+        if not json_close(recomputed[key], record["results"][key], abs_tol=LM_ABS_TOL):
             fail.append(f"results.{key} does not match {scores.name}")
     budget = record["budget"]["max_kv_len"]
     if budget is not None:
@@ -176,24 +153,12 @@ def check_lm_record(path: Path, failures: list[str], suite_file: str | Path | No
         fail.extend(
             mixer_check_failures(record["config"]["mixer"], lines, cell.chunk, vocab_size(record, lines))
         )
-    comp = record["comparison_vs_none"]
-    if comp is not None:
-        base = next((c for c in suite.cells if c.compaction.mode == "none" and c.mixer is None), None)
-        base_dir = path.parents[2] / base.method / base.budget.label if base is not None else None
-        if base_dir is None or not (base_dir / RECORD_FILE).exists():
-            fail.append("comparison_vs_none: the none record it was computed against is missing")
-            return
-        baseline = json.loads((base_dir / RECORD_FILE).read_text())
-        if baseline.get("content_sha256") != comp.get("baseline_content_sha256"):
-            fail.append("comparison_vs_none is stale: the none record changed (re-run `leaderboard run`)")
-            return
-        base_lines = [
-            json.loads(x)
-            for x in (base_dir / baseline["files"]["scores"]["path"]).read_text().splitlines()
-            if x.strip()
-        ]
-        again = lm_comparison(lines, base_lines, cell.score_after)
-        if again is None or not _close(
-            finite({**again, "baseline_content_sha256": baseline["content_sha256"]}), comp
-        ):
-            fail.append("comparison_vs_none does not match the scores of this record and the none record")
+
+    def recompute(baseline: dict[str, Any], base_dir: Path) -> dict[str, Any] | None:
+        scores_file = base_dir / baseline["files"]["scores"]["path"]
+        base_lines = [json.loads(x) for x in scores_file.read_text().splitlines() if x.strip()]
+        return lm_comparison(lines, base_lines, cell.score_after)
+
+    fail.extend(
+        paired_failures(path, record, suite.baseline, recompute, "scores", "re-run `leaderboard run`")
+    )

@@ -8,15 +8,14 @@ the scored NLL (the mixer's when the cell has one). Everything in ``results`` re
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from compaction_gym.evaluation.stats import mean, paired_comparison, sample_se
 from compaction_gym.leaderboard.lm_suite import LmCell
+from compaction_gym.leaderboard.record import json_schema_errors, load_schema
 
 LM_RECORD_SCHEMA = "compaction-gym/leaderboard-lm-record/v1"
 LM_SCHEMA_PATH = Path(__file__).with_name("lm_record.schema.json")
@@ -25,20 +24,13 @@ METRIC = "bits_per_byte"
 DIRECTION = "lower"
 
 
-@cache
 def lm_record_schema() -> dict[str, Any]:
-    return json.loads(LM_SCHEMA_PATH.read_text())
+    return load_schema(LM_SCHEMA_PATH)
 
 
 def lm_schema_errors(record: Any) -> list[str]:
     """Every violation of the lm record schema, as ``path: message`` (empty when valid)."""
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(lm_record_schema())
-    return [
-        f"{'/'.join(str(p) for p in err.absolute_path) or '<root>'}: {err.message}"
-        for err in sorted(validator.iter_errors(record), key=lambda e: list(e.absolute_path))
-    ]
+    return json_schema_errors(lm_record_schema(), record)
 
 
 def bits_per_byte(nll: Sequence[float], n_bytes: Sequence[int]) -> float:

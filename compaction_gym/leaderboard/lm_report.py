@@ -3,12 +3,18 @@ and a bits-per-byte-vs-budget plot (docs/leaderboard.md, "Language-modelling sui
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult
 from compaction_gym.leaderboard.lm_record import LM_RECORD_SCHEMA
+from compaction_gym.leaderboard.report_parts import (
+    comparison_cells,
+    dash,
+    records_by_method,
+    save_plot,
+    score_errorbar,
+)
 
 LM_COLUMNS = (
     "rank", "method", "budget", "bits/byte", "seeds SE", "Δ bpb vs none [95% CI]", "p (t / W / sign)",
@@ -21,7 +27,7 @@ def is_lm(record: dict[str, Any]) -> bool:
 
 
 def _f(x: Any, fmt: str = ".4f") -> str:
-    return "–" if x is None else format(x, fmt)
+    return dash(x, fmt)
 
 
 def lm_rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
@@ -31,12 +37,8 @@ def lm_rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]
     for i, (rec, verdict) in enumerate(ranked, 1):
         res, comp = rec["results"], rec.get("comparison_vs_none")
         seeds = res["per_seed"]
-        delta = p = wins = "–"
-        if comp:
-            lo, hi = comp["ci95"]
-            delta = f"{comp['mean_diff']:+.4f} [{_f(lo, '+.4f')}, {_f(hi, '+.4f')}]"
-            p = f"{comp['t_pvalue']:.3g} / {comp['wilcoxon_pvalue']:.3g} / {comp['sign_pvalue']:.3g}"
-            wins = f"{comp['wins']} / {comp['losses']}"
+        delta, p = comparison_cells(comp, "+.4f", "+.4f", ".3g")
+        wins = f"{comp['wins']} / {comp['losses']}" if comp else "–"
         out.append(
             [
                 str(i),
@@ -67,9 +69,7 @@ def lm_plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_d
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec, _ in entries:
-        by_method[rec["method"]].append(rec)
+    by_method = records_by_method(entries)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     for method, recs in sorted(by_method.items()):
         sized = sorted(
@@ -81,17 +81,9 @@ def lm_plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_d
             )
             continue
         xs = [r["budget"]["max_kv_len"] for r in sized]
-        ys = [r["results"]["score"]["mean"] for r in sized]
-        es = [r["results"]["score"]["se"] or 0.0 for r in sized]
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+        score_errorbar(ax, xs, sized, method)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV budget (max_kv_len, rows)")
     ax.set_ylabel("bits per byte (lower is better)")
     ax.set_title(f"{suite}: bits per byte vs KV budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / f"{suite}_budget.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return [path]
+    return [save_plot(fig, ax, out_dir / f"{suite}_budget.png")]

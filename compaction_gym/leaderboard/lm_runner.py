@@ -10,7 +10,6 @@ record stands (same config, same scores file) is not re-run (docs/leaderboard.md
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import sys
@@ -19,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.lm_record import (
     LM_RECORD_SCHEMA,
@@ -30,26 +28,24 @@ from compaction_gym.leaderboard.lm_record import (
 )
 from compaction_gym.leaderboard.lm_suite import LmCell, LmSuite
 from compaction_gym.leaderboard.record import LOG_FILE, RECORD_FILE, seal
-from compaction_gym.leaderboard.runner import hardware, model_block
+from compaction_gym.leaderboard.runner import (
+    attach_paired,
+    cell_dir,
+    log_line,
+    model_block,
+    now_iso,
+    record_head,
+    run_provenance,
+    selected_cells,
+)
 from compaction_gym.leaderboard.store import append_jsonl, read_episodes, sha256_file, write_json_atomic
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT
 from compaction_gym.lmeval.mixer import MIXERS, mix_stream
 from compaction_gym.lmeval.scoring import Cell as ScoreCell
 from compaction_gym.lmeval.scoring import CellResult, piece_bytes, score_cells
-from compaction_gym.provenance import provenance
 
-
-def lm_cell_dir(output: str | Path, cell: LmCell) -> Path:
-    return Path(output) / cell.suite / cell.method / cell.budget.label
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def _log(path: Path, message: str) -> None:
-    with path.open("a") as fh:
-        fh.write(f"{_now()} {message}\n")
+#: an lm cell's folder (:func:`.runner.cell_dir`, the same layout for both kinds)
+lm_cell_dir = cell_dir
 
 
 def _nums(xs: Sequence[float]) -> list[float | None]:
@@ -102,27 +98,8 @@ def run_lm_suite(
     from compaction_gym.engine import Engine
     from compaction_gym.models.registry import load_model
 
-    known = suite.methods
-    chosen = list(methods) if methods else known
-    unknown = [m for m in chosen if m not in known]
-    if unknown:
-        raise InvalidArgumentError(f"--methods: unknown {unknown}; suite {suite.name!r} has {known}")
-    bad = [s for s in (seeds or []) if s not in suite.seeds]
-    if bad:
-        raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {suite.seeds}")
-    labels = {c.budget.label for c in suite.cells}
-    if budgets and set(budgets) - labels:
-        raise InvalidArgumentError(
-            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
-        )
-    cells = [
-        c
-        for c in suite.cells
-        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
-    ]
-    if not cells:
-        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
-    started_at = _now()
+    cells = selected_cells(suite, methods, budgets, seeds, suite.seeds)
+    started_at = now_iso()
     engine_kwargs = dict(engine_kwargs or {})
     model_info = model_block(cells[0].model)
     # what each cell still needs: (cell, seed) pairs whose line is not on disk
@@ -172,20 +149,11 @@ def run_lm_suite(
                 directory = lm_cell_dir(output, cell)
                 line = score_line(cell, seed, ids, nbytes, res, vocab)
                 append_jsonl(directory / SCORES_FILE, [line])
-                _log(directory / LOG_FILE, f"seed {seed} scored in {time.perf_counter() - t0:.1f}s")
+                log_line(directory / LOG_FILE, f"seed {seed} scored in {time.perf_counter() - t0:.1f}s")
     run = {"started_at": started_at, "model": model_info, "backend": backend}
     written = [write_lm_record(suite, cell, output, run) for cell in cells]
     attach_lm_comparisons(suite, output)
     return [p for p in written if p is not None]
-
-
-def relative_path(path: Path) -> str:
-    """``path`` relative to the project root when inside it."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return str(path.resolve().relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def write_lm_record(suite: LmSuite, cell: LmCell, output: str | Path, run: dict[str, Any]) -> Path | None:
@@ -207,23 +175,14 @@ def write_lm_record(suite: LmSuite, cell: LmCell, output: str | Path, run: dict[
     record = seal(
         {
             "schema": LM_RECORD_SCHEMA,
-            "suite": {"name": suite.name, "file": relative_path(suite.path), "sha256": suite.sha256},
-            "method": cell.method,
-            "budget": cell.budget.to_dict(),
-            "config": cell.config(),
-            "config_sha256": cell.config_sha256(),
+            **record_head(suite, cell),
             "seeds": sorted(int(d["seed"]) for d in lines),
             "results": lm_results(cell, lines),
             "comparison_vs_none": None,
             "model": run["model"],
-            "provenance": {
-                "started_at": run["started_at"],
-                "finished_at": _now(),
-                "wall_time_s": math.fsum(float(d["seconds"]) for d in lines),
-                **provenance(),
-                "hardware": hardware(run["backend"]),
-                "argv": sys.argv,
-            },
+            "provenance": run_provenance(
+                run["started_at"], math.fsum(float(d["seconds"]) for d in lines), run["backend"]
+            ),
             "files": {
                 "scores": {"path": SCORES_FILE, "sha256": sha256_file(path), "lines": len(lines)},
                 "log": LOG_FILE,
@@ -234,13 +193,13 @@ def write_lm_record(suite: LmSuite, cell: LmCell, output: str | Path, run: dict[
     if errors:
         raise AssertionError(f"record of {cell.key} fails its schema: {errors[:3]}")
     write_json_atomic(directory / RECORD_FILE, record)
-    _log(directory / LOG_FILE, f"record {cell.key} bits_per_byte={record['results']['score']['mean']}")
+    log_line(directory / LOG_FILE, f"record {cell.key} bits_per_byte={record['results']['score']['mean']}")
     return directory / RECORD_FILE
 
 
 def lm_baseline(suite: LmSuite) -> LmCell | None:
-    """The full-cache cell without a mixer (the first method with mode ``none``)."""
-    return next((c for c in suite.cells if c.compaction.mode == "none" and c.mixer is None), None)
+    """The full-cache cell without a mixer (:attr:`LmSuite.baseline`)."""
+    return suite.baseline
 
 
 def read_lines(directory: Path) -> list[dict[str, Any]]:
@@ -251,25 +210,13 @@ def read_lines(directory: Path) -> list[dict[str, Any]]:
 def attach_lm_comparisons(suite: LmSuite, output: str | Path) -> None:
     """Give every other record of ``suite`` its paired comparison with the baseline record."""
     base = lm_baseline(suite)
-    if base is None:
-        return
-    base_dir = lm_cell_dir(output, base)
-    if not (base_dir / RECORD_FILE).exists():
-        return
-    baseline = json.loads((base_dir / RECORD_FILE).read_text())
-    base_lines = read_lines(base_dir)
-    for cell in suite.cells:
-        if cell is base:
-            continue
-        path = lm_cell_dir(output, cell) / RECORD_FILE
-        if not path.exists():
-            continue
-        record = json.loads(path.read_text())
-        lines = [d for d in read_lines(path.parent) if int(d["seed"]) in cell.seeds]
-        comp = lm_comparison(lines, base_lines, cell.score_after)
-        if comp is not None:
-            comp["baseline_content_sha256"] = baseline["content_sha256"]
-            comp = finite(comp)
-        if comp != record.get("comparison_vs_none"):
-            record["comparison_vs_none"] = comp
-            write_json_atomic(path, seal(record))
+    base_lines: list[list[dict[str, Any]]] = []  # read once, when the first comparison needs it
+
+    def compare(cell: LmCell, record: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any] | None:
+        if not base_lines and base is not None:
+            base_lines.append(read_lines(cell_dir(output, base)))
+        lines = [d for d in read_lines(cell_dir(output, cell)) if int(d["seed"]) in cell.seeds]
+        comp = lm_comparison(lines, base_lines[0], cell.score_after)
+        return None if comp is None else finite(comp)
+
+    attach_paired(suite, output, base, compare)

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from compaction_gym.compaction.modes import QUERY_MODES
 from compaction_gym.engine.config import CompactionConfig
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.leaderboard.suite import FULL, Budget, find_suite, hashed_compaction, sha256_json
+from compaction_gym.leaderboard.suite import (
+    FULL,
+    Budget,
+    CellBase,
+    SuiteFile,
+    check_keys,
+    check_max_kv_len,
+    find_suite,
+    hashed_compaction,
+    method_compaction,
+    named_methods,
+    read_suite_toml,
+)
 from compaction_gym.lmeval.mixer import MIXERS, MixerConfig
 
 LM_KIND = "lm"
@@ -41,7 +53,7 @@ def is_random(compaction: CompactionConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class LmCell:
+class LmCell(CellBase):
     """One (method, budget) of an lm suite: everything its record was run with."""
 
     suite: str
@@ -59,10 +71,6 @@ class LmCell:
     mixer_name: str | None = None
     batch: int = 8
 
-    @property
-    def key(self) -> str:
-        return f"{self.method}/{self.budget.label}"
-
     def config(self) -> dict[str, Any]:
         """What ``config_sha256`` hashes (the text by its sha256, not its path)."""
         return {
@@ -77,51 +85,28 @@ class LmCell:
             "mixer": None if self.mixer is None else {"name": self.mixer_name, **self.mixer.to_dict()},
         }
 
-    def config_sha256(self) -> str:
-        return sha256_json(self.config())
-
 
 @dataclass
-class LmSuite:
+class LmSuite(SuiteFile[LmCell]):
     """A parsed lm suite file."""
-
-    name: str
-    path: Path
-    data: dict[str, Any]
-    cells: list[LmCell] = field(default_factory=list)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.path.read_bytes()).hexdigest()
-
-    def cell(self, method: str, budget: str) -> LmCell:
-        for c in self.cells:
-            if c.method == method and c.budget.label == budget:
-                return c
-        raise InvalidArgumentError(f"suite {self.name!r} has no cell {method}/{budget}")
-
-    @property
-    def methods(self) -> list[str]:
-        return list(dict.fromkeys(c.method for c in self.cells))
 
     @property
     def seeds(self) -> list[int]:
         return [int(s) for s in self.data["seeds"]]
 
-
-def _check_keys(where: str, table: dict[str, Any], valid: set[str]) -> None:
-    unknown = sorted(set(table) - valid)
-    if unknown:
-        raise InvalidArgumentError(f"{where}: unknown keys {unknown}; valid keys: {sorted(valid)}")
+    @property
+    def baseline(self) -> LmCell | None:
+        """The full-cache cell without a mixer (the first method with mode ``none``): every other
+        record pairs against it."""
+        return next((c for c in self.cells if c.compaction.mode == "none" and c.mixer is None), None)
 
 
 def _budget(where: str, spec: dict[str, Any]) -> Budget:
-    _check_keys(where, spec, LM_BUDGET_KEYS)
+    check_keys(where, spec, LM_BUDGET_KEYS)
     if "max_kv_len" not in spec:
         raise InvalidArgumentError(f"{where}: missing key 'max_kv_len'")
     max_kv = int(spec["max_kv_len"])
-    if max_kv < 2:
-        raise InvalidArgumentError(f"{where}: max_kv_len must be >= 2, got {max_kv}")
+    check_max_kv_len(where, max_kv)
     window = int(spec.get("compact_window", max(1, max_kv // 2)))
     return Budget(f"kv{max_kv}", max_kv, None, window)
 
@@ -139,10 +124,7 @@ def load_lm_suite(spec: str | Path) -> LmSuite:
         InvalidArgumentError: unknown or missing keys (named), a text whose sha256 differs from
             ``text_sha256``, a bad budget, mixer or compaction config.
     """
-    path = find_suite(spec)
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
-    _check_keys(str(path), data, LM_SUITE_KEYS)
+    path, data = read_suite_toml(spec, LM_SUITE_KEYS)
     if data.get("kind") != LM_KIND:
         raise InvalidArgumentError(f"{path}: kind must be {LM_KIND!r} for an lm suite")
     for key in ("name", "model", "text", "text_sha256", "max_tokens", "seeds", "methods"):
@@ -172,14 +154,7 @@ def load_lm_suite(spec: str | Path) -> LmSuite:
         raise InvalidArgumentError(f"{path}: mixer.name {mixer_name!r} is not one of {sorted(MIXERS)}")
     mixer_cfg = MixerConfig.from_dict(mixer_table)
     suite = LmSuite(name=str(data["name"]), path=path, data=data)
-    seen: set[str] = set()
-    for i, method in enumerate(data["methods"]):
-        where = f"{path}: methods[{i}]"
-        if "name" not in method:
-            raise InvalidArgumentError(f"{where}: missing key 'name'")
-        if method["name"] in seen:
-            raise InvalidArgumentError(f"{where}: duplicate method name {method['name']!r}")
-        seen.add(method["name"])
+    for where, method in named_methods(path, data["methods"]):
         comp_fields = {k: v for k, v in method.items() if k not in LM_METHOD_KEYS}
         mode = comp_fields.get("mode", "none")
         if mode == "none":
@@ -196,12 +171,7 @@ def load_lm_suite(spec: str | Path) -> LmSuite:
             raise InvalidArgumentError(f"{where}: mixer must be true or false (parameters go in [mixer])")
         for budget in budgets:
             comp = {"protect_prompt": False, **data.get("compaction", {}), **comp_fields}
-            if budget.max_kv_len is not None:
-                comp.update(max_kv_len=budget.max_kv_len, compact_window=budget.compact_window)
-            try:
-                compaction = CompactionConfig.from_dict(comp)
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{where} ({method['name']}/{budget.label}): {exc}") from exc
+            compaction = method_compaction(where, str(method["name"]), budget, comp)
             suite.cells.append(
                 LmCell(
                     suite=suite.name,

@@ -26,19 +26,30 @@ LOG_FILE = "run.log"
 
 
 @cache
+def load_schema(path: Path) -> dict[str, Any]:
+    """A JSON schema file, read once."""
+    return json.loads(path.read_text())
+
+
 def record_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text())
+    return load_schema(SCHEMA_PATH)
 
 
-def schema_errors(record: Any) -> list[str]:
-    """Every violation of the record schema, as ``path: message`` (empty when valid)."""
+def json_schema_errors(schema: dict[str, Any], record: Any) -> list[str]:
+    """Every violation of ``schema`` (draft 2020-12) by ``record``, as ``path: message``, sorted by
+    path (empty when valid)."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(record_schema())
+    validator = jsonschema.Draft202012Validator(schema)
     return [
         f"{'/'.join(str(p) for p in err.absolute_path) or '<root>'}: {err.message}"
         for err in sorted(validator.iter_errors(record), key=lambda e: list(e.absolute_path))
     ]
+
+
+def schema_errors(record: Any) -> list[str]:
+    """Every violation of the record schema, as ``path: message`` (empty when valid)."""
+    return json_schema_errors(record_schema(), record)
 
 
 def episode_row(traj: Trajectory) -> dict[str, Any]:

@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult, check_record, find_records
+from compaction_gym.leaderboard.report_parts import (
+    comparison_cells,
+    dash,
+    records_by_method,
+    save_plot,
+    score_errorbar,
+)
 
 COLUMNS = (
     "rank", "method", "budget", "max KV", "score %", "seeds SE", "Δ vs none [95% CI]", "p (t / W / sign)",
@@ -25,7 +32,7 @@ COLUMNS = (
 
 
 def _f(x: Any, fmt: str = ".1f") -> str:
-    return "–" if x is None else format(x, fmt)
+    return dash(x, fmt)
 
 
 def load_records(root: str | Path) -> dict[str, list[tuple[dict[str, Any], CheckResult]]]:
@@ -50,11 +57,7 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
         res, comp = rec["results"], rec.get("comparison_vs_none")
         kv, tokens = res["kv"], res["tokens"]
         no_kv = kv is None  # an agent without a KV cache (the sb3_ppo reference row)
-        delta = p = "–"
-        if comp:
-            lo, hi = comp["ci95"]
-            delta = f"{comp['mean_diff']:+.1f} [{_f(lo)}, {_f(hi)}]"
-            p = f"{comp['t_pvalue']:.3f} / {comp['wilcoxon_pvalue']:.3f} / {comp['sign_pvalue']:.3f}"
+        delta, p = comparison_cells(comp, "+.1f", ".1f", ".3f")
         out.append(
             [
                 str(i),
@@ -108,9 +111,7 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec, _ in entries:
-        by_method[rec["method"]].append(rec)
+    by_method = records_by_method(entries)
     paths = []
     for kind, xlabel in (
         ("budget", "KV budget (max_kv_len, rows)"),
@@ -149,22 +150,14 @@ def plot(suite: str, entries: list[tuple[dict[str, Any], CheckResult]], out_dir:
                 if not recs:
                     continue
                 xs = [r["results"]["kv"]["compression_ratio"] for r in recs]
-            ys = [r["results"]["score"]["mean"] for r in recs]
-            es = [r["results"]["score"]["se"] or 0.0 for r in recs]
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=method)
+            score_errorbar(ax, xs, recs, method)
         ax.set_ylim(-3, 103)
         if kind == "budget":
             ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("score (progression %, mean ± SE)")
         ax.set_title(f"{suite}: score vs {'KV budget' if kind == 'budget' else 'compression ratio'}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{suite}_{kind}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_plot(fig, ax, out_dir / f"{suite}_{kind}.png"))
     return paths
 
 

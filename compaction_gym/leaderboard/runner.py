@@ -45,12 +45,13 @@ from compaction_gym.leaderboard.store import (
     sha256_file,
     write_json_atomic,
 )
-from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, Cell, Suite
+from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, CellBase, Suite, SuiteFile
 from compaction_gym.models.registry import resolve_model
 from compaction_gym.provenance import provenance
 
 
-def cell_dir(output: str | Path, cell: Cell) -> Path:
+def cell_dir(output: str | Path, cell: CellBase) -> Path:
+    """A cell's folder of either suite kind: ``OUTPUT/SUITE/METHOD/BUDGET``."""
     return Path(output) / cell.suite / cell.method / cell.budget.label
 
 
@@ -101,12 +102,73 @@ def model_block(spec: str) -> dict[str, Any]:
     }
 
 
-def _relative(path: Path) -> str:
+def relative_path(path: Path) -> str:
+    """``path`` relative to the project root when inside it."""
     root = Path(__file__).resolve().parents[2]
     try:
         return str(path.resolve().relative_to(root))
     except ValueError:
         return str(path)
+
+
+def record_head(suite: SuiteFile[Any], cell: Any) -> dict[str, Any]:
+    """The fields every record starts with after its schema: suite file, method, budget and config."""
+    return {
+        "suite": {"name": suite.name, "file": relative_path(suite.path), "sha256": suite.sha256},
+        "method": cell.method,
+        "budget": cell.budget.to_dict(),
+        "config": cell.config(),
+        "config_sha256": cell.config_sha256(),
+    }
+
+
+def run_provenance(started_at: str, wall_time_s: float, backend: Any, **extra: Any) -> dict[str, Any]:
+    """A record's ``provenance``: times, code and environment (:func:`provenance`), hardware, argv."""
+    return {
+        "started_at": started_at,
+        "finished_at": now_iso(),
+        "wall_time_s": wall_time_s,
+        **provenance(),
+        "hardware": hardware(backend),
+        "argv": sys.argv,
+        **extra,
+    }
+
+
+def selected_cells(
+    suite: SuiteFile[C],
+    methods: Sequence[str] | None,
+    budgets: Sequence[str] | None,
+    seeds: Sequence[int] | None,
+    known_seeds: Sequence[int],
+) -> list[C]:
+    """The cells of ``suite`` a selection names (``full`` always; default all), in suite order.
+
+    Raises:
+        InvalidArgumentError: an unknown method (``--methods``), seed (``--seeds``, not in
+            ``known_seeds``) or budget label (``--budgets``), or a selection with no cell.
+    """
+    known = suite.methods
+    chosen = list(methods) if methods else known
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise InvalidArgumentError(f"--methods: unknown {unknown}; suite {suite.name!r} has {known}")
+    bad = [s for s in (seeds or []) if s not in known_seeds]
+    if bad:
+        raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {known_seeds}")
+    labels = {c.budget.label for c in suite.cells}
+    if budgets and set(budgets) - labels:
+        raise InvalidArgumentError(
+            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
+        )
+    cells = [
+        c
+        for c in suite.cells
+        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
+    ]
+    if not cells:
+        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
+    return cells
 
 
 def build_record(
@@ -127,11 +189,7 @@ def build_record(
     return seal(
         {
             "schema": RECORD_SCHEMA,
-            "suite": {"name": suite.name, "file": _relative(suite.path), "sha256": suite.sha256},
-            "method": cell.method,
-            "budget": cell.budget.to_dict(),
-            "config": cell.config(),
-            "config_sha256": cell.config_sha256(),
+            **record_head(suite, cell),
             "seeds": sorted({r["seed"] for r in rows}),
             "results": res,
             "comparison_vs_none": None,
@@ -171,27 +229,8 @@ def select_cells(
         InvalidArgumentError: an unknown method (``--methods``), budget label (``--budgets``) or
             seed (``--seeds``), or a selection with no cell.
     """
-    known = suite.methods
-    chosen = list(methods) if methods else known
-    unknown = [m for m in chosen if m not in known]
-    if unknown:
-        raise InvalidArgumentError(f"--methods: unknown {unknown}; suite {suite.name!r} has {known}")
     run_seeds = list(seeds) if seeds else list(suite.cells[0].seeds)
-    bad = [s for s in run_seeds if s not in suite.cells[0].seeds]
-    if bad:
-        raise InvalidArgumentError(f"--seeds: {bad} are not the suite's seeds {suite.cells[0].seeds}")
-    labels = {c.budget.label for c in suite.cells}
-    if budgets and set(budgets) - labels:
-        raise InvalidArgumentError(
-            f"--budgets: unknown {sorted(set(budgets) - labels)}; suite has {sorted(labels)}"
-        )
-    cells = [
-        c
-        for c in suite.cells
-        if c.method in chosen and (not budgets or c.budget.label in budgets or c.budget.label == "full")
-    ]
-    if not cells:
-        raise InvalidArgumentError(f"nothing to run: no cell of suite {suite.name!r} matches the selection")
+    cells = selected_cells(suite, methods, budgets, run_seeds, suite.cells[0].seeds)
     base = suite.baseline
     cells.sort(key=lambda c: base is None or c.key != base.key)  # the baseline first
     return cells, run_seeds
@@ -326,15 +365,9 @@ def run_cell(
 
         model = sb3.model_block(directory)
     save_clock()
-    prov = {
-        "started_at": state["started_at"],
-        "finished_at": now_iso(),
-        "wall_time_s": state["wall_time_s"],
-        **provenance(),
-        "hardware": hardware(backend),
-        "argv": sys.argv,
-        "run": {"jobs": 1, **(run_info or {})},
-    }
+    prov = run_provenance(
+        state["started_at"], state["wall_time_s"], backend, run={"jobs": 1, **(run_info or {})}
+    )
     record = build_record(suite, cell, directory, trajectories, model=model, prov=prov)
     errors = schema_errors(record)
     if errors:
@@ -466,7 +499,22 @@ def _play_cell(cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: b
 def attach_comparisons(suite: Suite, output: str | Path) -> None:
     """Give every record of ``suite`` under ``output`` its paired comparison with the current
     ``none`` record (rewritten atomically only when it changes)."""
-    base = baseline_cell(suite)
+
+    def compare(cell: Cell, record: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any] | None:
+        return comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+
+    attach_paired(suite, output, baseline_cell(suite), compare)
+
+
+def attach_paired(
+    suite: SuiteFile[C],
+    output: str | Path,
+    base: C | None,
+    compare: Callable[[C, dict[str, Any], dict[str, Any]], dict[str, Any] | None],
+) -> None:
+    """Give every record of ``suite`` under ``output`` but ``base``'s the comparison
+    ``compare(cell, record, base record)`` with the base record's content hash added (either suite
+    kind; a record is rewritten atomically only when its comparison changes)."""
     if base is None:
         return
     baseline = load_record(cell_dir(output, base) / RECORD_FILE)
@@ -479,9 +527,9 @@ def attach_comparisons(suite: Suite, output: str | Path) -> None:
         record = load_record(path)
         if record is None:
             continue
-        comp = comparison(record["results"]["episodes"], baseline["results"]["episodes"])
+        comp = compare(cell, record, baseline)
         if comp is not None:
-            comp["baseline_content_sha256"] = baseline["content_sha256"]
+            comp = {**comp, "baseline_content_sha256": baseline["content_sha256"]}
         if comp != record.get("comparison_vs_none"):
             record["comparison_vs_none"] = comp
             write_json_atomic(path, seal(record))

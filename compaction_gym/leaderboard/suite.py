@@ -10,9 +10,10 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
@@ -53,8 +54,30 @@ class Budget:
 FULL = Budget("full", None, None, None)
 
 
+C = TypeVar("C", bound="CellBase")
+
+
+class CellBase:
+    """What every kind of cell derives from its fields: its ``METHOD/BUDGET`` key and the sha256 of
+    its :meth:`config` (a record's ``config_sha256``); its folder is ``OUTPUT/SUITE/METHOD/BUDGET``."""
+
+    suite: str
+    method: str
+    budget: Budget
+
+    def config(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define config()")
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}/{self.budget.label}"
+
+    def config_sha256(self) -> str:
+        return sha256_json(self.config())
+
+
 @dataclass(frozen=True)
-class Cell:
+class Cell(CellBase):
     """One (method, budget) of a suite: everything a record of it was run with."""
 
     suite: str
@@ -74,10 +97,6 @@ class Cell:
     capacity: int | None = None
     #: an agent trained outside the engine (``{"agent": "sb3_ppo", ...}``); ``None``: the LLM
     trainer: dict[str, Any] | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.method}/{self.budget.label}"
 
     def env_seeds(self, seed: int) -> list[int]:
         """The env seeds run seed ``seed`` plays: ``seed, …, seed + episodes − 1`` in every task."""
@@ -116,24 +135,21 @@ class Cell:
             "sampling": {**self.sampling.to_dict(), "stop_token_ids": list(self.sampling.stop_token_ids)},
         }
 
-    def config_sha256(self) -> str:
-        return sha256_json(self.config())
-
 
 @dataclass
-class Suite:
-    """A parsed suite file."""
+class SuiteFile(Generic[C]):
+    """A parsed suite file of either kind: its name, path, TOML data and cells."""
 
     name: str
     path: Path
     data: dict[str, Any]
-    cells: list[Cell] = field(default_factory=list)
+    cells: list[C] = field(default_factory=list)
 
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
-    def cell(self, method: str, budget: str) -> Cell:
+    def cell(self, method: str, budget: str) -> C:
         for c in self.cells:
             if c.method == method and c.budget.label == budget:
                 return c
@@ -142,6 +158,11 @@ class Suite:
     @property
     def methods(self) -> list[str]:
         return list(dict.fromkeys(c.method for c in self.cells))
+
+
+@dataclass
+class Suite(SuiteFile[Cell]):
+    """A parsed (env) suite file."""
 
     @property
     def baseline(self) -> Cell | None:
@@ -183,14 +204,54 @@ def find_suite(spec: str | Path) -> Path:
     raise InvalidArgumentError(f"suite {str(spec)!r}: no such file or name; known suites: {known}")
 
 
-def _check_keys(where: str, table: dict[str, Any], valid: set[str]) -> None:
+def check_keys(where: str, table: dict[str, Any], valid: set[str]) -> None:
+    """Raise naming ``table``'s keys that are not in ``valid``."""
     unknown = sorted(set(table) - valid)
     if unknown:
         raise InvalidArgumentError(f"{where}: unknown keys {unknown}; valid keys: {sorted(valid)}")
 
 
+def read_suite_toml(spec: str | Path, valid: set[str]) -> tuple[Path, dict[str, Any]]:
+    """A suite file (by path or name, :func:`find_suite`) and its TOML table, keys checked."""
+    path = find_suite(spec)
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    check_keys(str(path), data, valid)
+    return path, data
+
+
+def named_methods(path: Path, methods: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each ``[[methods]]`` table with its ``where`` prefix, checking (as it goes) that each has a
+    distinct ``name``."""
+    seen: set[str] = set()
+    for i, method in enumerate(methods):
+        where = f"{path}: methods[{i}]"
+        if "name" not in method:
+            raise InvalidArgumentError(f"{where}: missing key 'name'")
+        if method["name"] in seen:
+            raise InvalidArgumentError(f"{where}: duplicate method name {method['name']!r}")
+        seen.add(method["name"])
+        yield where, method
+
+
+def check_max_kv_len(where: str, max_kv: int) -> None:
+    """Raise unless a budget keeps at least two rows."""
+    if max_kv < 2:
+        raise InvalidArgumentError(f"{where}: max_kv_len must be >= 2, got {max_kv}")
+
+
+def method_compaction(where: str, method: str, budget: Budget, comp: dict[str, Any]) -> CompactionConfig:
+    """A cell's compaction config: ``comp`` with the budget's rows and window, errors naming the cell."""
+    if budget.max_kv_len is not None:
+        comp = {**comp, "max_kv_len": budget.max_kv_len, "compact_window": budget.compact_window}
+    try:
+        return CompactionConfig.from_dict(comp)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where} ({method}/{budget.label}): {exc}") from exc
+
+
 def _budget(where: str, spec: dict[str, Any], reference: int | None) -> Budget:
-    _check_keys(where, spec, BUDGET_KEYS)
+    check_keys(where, spec, BUDGET_KEYS)
     if ("max_kv_len" in spec) == ("kv_ratio" in spec):
         raise InvalidArgumentError(f"{where}: give exactly one of max_kv_len and kv_ratio, got {spec}")
     ratio = spec.get("kv_ratio")
@@ -203,8 +264,7 @@ def _budget(where: str, spec: dict[str, Any], reference: int | None) -> Budget:
         label = f"r{float(ratio):g}"
     else:
         max_kv = int(spec["max_kv_len"])
-        if max_kv < 2:
-            raise InvalidArgumentError(f"{where}: max_kv_len must be >= 2, got {max_kv}")
+        check_max_kv_len(where, max_kv)
         label = f"kv{max_kv}"
     window = spec.get("compact_window")
     if window is None:
@@ -219,10 +279,7 @@ def load_suite(spec: str | Path) -> Suite:
         InvalidArgumentError: unknown keys (named), missing fields, overlapping seed ranges, or a
             method whose compaction config does not validate.
     """
-    path = find_suite(spec)
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
-    _check_keys(str(path), data, SUITE_KEYS)
+    path, data = read_suite_toml(spec, SUITE_KEYS)
     for key in ("name", "env", "episodes", "seeds", "model", "methods"):
         if key not in data:
             raise InvalidArgumentError(f"{path}: missing key {key!r}")
@@ -242,14 +299,7 @@ def load_suite(spec: str | Path) -> Suite:
 
     tasks = list(data["tasks"]) if data.get("tasks") else default_tasks(data["env"])
     suite = Suite(name=str(data["name"]), path=path, data=data)
-    seen: set[str] = set()
-    for i, method in enumerate(data["methods"]):
-        where = f"{path}: methods[{i}]"
-        if "name" not in method:
-            raise InvalidArgumentError(f"{where}: missing key 'name'")
-        if method["name"] in seen:
-            raise InvalidArgumentError(f"{where}: duplicate method name {method['name']!r}")
-        seen.add(method["name"])
+    for where, method in named_methods(path, data["methods"]):
         if "agent" in method:
             suite.cells.append(_agent_cell(where, method, suite.name, data, tasks, episodes, seeds, sampling))
             continue
@@ -262,14 +312,9 @@ def load_suite(spec: str | Path) -> Suite:
             raise InvalidArgumentError(f"{where}: a compaction method needs budgets")
         for budget in budgets:
             comp = {**base_comp, **comp_fields}
-            if budget.max_kv_len is not None:
-                comp.update(max_kv_len=budget.max_kv_len, compact_window=budget.compact_window)
-            elif mode == "none":
+            if budget.max_kv_len is None and mode == "none":
                 comp = {k: v for k, v in comp.items() if k not in ("max_kv_len", "compact_window")}
-            try:
-                compaction = CompactionConfig.from_dict(comp)
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{where} ({method['name']}/{budget.label}): {exc}") from exc
+            compaction = method_compaction(where, str(method["name"]), budget, comp)
             suite.cells.append(
                 Cell(
                     suite=suite.name,
@@ -303,7 +348,7 @@ def _agent_cell(
     sampling: SamplingParams,
 ) -> Cell:
     """The cell of an agent trained outside the engine (``agent = "sb3_ppo"``): full budget, no compaction."""
-    _check_keys(where, method, AGENT_METHOD_KEYS)
+    check_keys(where, method, AGENT_METHOD_KEYS)
     from compaction_gym.leaderboard.sb3 import AGENT, trainer_settings
 
     if method["agent"] != AGENT:
