@@ -1,0 +1,147 @@
+"""RSA as an evaluation mode of the math envs: accuracy vs compute against plain sampling (docs/rsa.md).
+
+Each question (env seed ``s``) runs RSA with ``N``, ``K``, ``T`` (seed ``s``) and, as the baseline,
+plain sampling of ``N·(T + 1)`` solutions: as many generations as RSA makes. Both are scored by
+the env on their final population: ``mean`` (the average per-member score, the paper's metric)
+and ``vote`` (the majority-vote answer's score), with their token counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+from compaction_gym.agents.evaluate import task_env_kwargs
+from compaction_gym.agents.rsa import RSA, RSAConfig, RSARun, score_population
+from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.envs.math import extract_answer
+
+#: the methods one question reports
+METHODS = ("rsa", "plain")
+
+
+def plain_config(cfg: RSAConfig) -> RSAConfig:
+    """Plain sampling with as many generations as ``cfg`` makes: ``N·(T + 1)`` solutions, no rounds."""
+    return RSAConfig(population=cfg.population * (cfg.rounds + 1), subset=1, rounds=0, seed=cfg.seed)
+
+
+def env_scorer(env: gym.Env, info: dict[str, Any]) -> Callable[[str], float]:
+    """Scores a response to the question ``info`` describes by the env's own verifier (a fresh
+    one-step episode on the same item per response)."""
+
+    def score(text: str) -> float:
+        env.reset(options={"dataset": info["dataset"], "index": info["index"]})
+        return float(env.step(text)[1])
+
+    return score
+
+
+def answer_extractor(env: gym.Env) -> Callable[[str], str | None]:
+    """The answer the env scores: the last ``<answer>`` tag, or the stripped text when the env
+    does not require the tag (``require_answer_tag=False``)."""
+    required = getattr(env.unwrapped, "require_answer_tag", True)
+
+    def extract(text: str) -> str | None:
+        found = extract_answer(text)
+        return found if found is not None or required else text.strip()
+
+    return extract
+
+
+def question_row(run: RSARun, score: Callable[[str], float], extract: Callable[[str], str | None] = extract_answer) -> dict[str, Any]:
+    """A method's row for one question: scores of the final population and the compute."""
+    return {
+        **score_population(score, run.populations[-1], extract),
+        **{f"tokens_{k}": v for k, v in asdict(run.compute).items()},
+        "final_answers": [extract(t) for t in run.populations[-1]],
+    }
+
+
+def evaluate_rsa(
+    engine: Any,
+    env_id: str,
+    cfg: RSAConfig,
+    *,
+    tasks: Sequence[str | None] = (None,),
+    episodes: int = 4,
+    seed: int = 0,
+    compaction: CompactionConfig | None = None,
+    sampling: SamplingParams | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    baseline: bool = True,
+    output: str | Path | None = None,
+    on_question: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """RSA (and plain sampling at equal generations) on ``episodes`` questions per task.
+
+    Returns:
+        ``{"questions": [...], "summary": {method: {"mean", "vote", "any", "tokens_generated",
+        "tokens_prefilled", ...}}}``; with ``output``, also written as ``OUTPUT/rsa.jsonl`` (one
+        question per line) and ``OUTPUT/rsa_summary.json``.
+    """
+    rows: list[dict[str, Any]] = []
+    out = Path(output) if output is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rsa.jsonl").write_text("")
+    for task in tasks:
+        env = gym.make(env_id, **task_env_kwargs(env_id, task), **(env_kwargs or {}))
+        try:
+            for i in range(episodes):
+                s = seed + i
+                question, info = env.reset(seed=s)
+                score = env_scorer(env, info)
+                row: dict[str, Any] = {"task": info.get("dataset", task), "seed": s, "index": info["index"], "answer": str(info["answer"])}
+                runs = {"rsa": replace(cfg, seed=s)}
+                if baseline:
+                    runs["plain"] = plain_config(runs["rsa"])
+                for name, rcfg in runs.items():
+                    run = RSA(engine, rcfg, compaction=compaction, sampling=sampling).run(question)
+                    row[name] = question_row(run, score, answer_extractor(env))
+                rows.append(row)
+                if out is not None:  # one line per question as it ends
+                    with (out / "rsa.jsonl").open("a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+                if on_question is not None:
+                    on_question(row)
+        finally:
+            env.close()
+    summary = summarise(rows)
+    if out is not None:
+        (out / "rsa_summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary}, indent=2))
+    return {"questions": rows, "summary": summary}
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per method: the mean over questions of every numeric field of its rows."""
+    out: dict[str, dict[str, float]] = {}
+    for name in METHODS:
+        got = [r[name] for r in rows if name in r]
+        if got:
+            keys = [k for k, v in got[0].items() if isinstance(v, int | float)]
+            out[name] = {k: sum(g[k] for g in got) / len(got) for k in keys} | {"questions": len(got)}
+    return out
+
+
+def markdown_table(summary: dict[str, dict[str, float]], cfg: RSAConfig) -> str:
+    """The summary as a Markdown table (accuracy in %, tokens per question)."""
+    lines = [
+        "| method | questions | mean acc % | vote acc % | pass@N % | generated tok/q | prefilled tok/q | prefilled unshared tok/q |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "rsa": f"RSA N={cfg.population} K={cfg.subset} T={cfg.rounds}",
+        "plain": f"plain sampling, {cfg.population * (cfg.rounds + 1)} samples",
+    }
+    for name, s in summary.items():
+        lines.append(
+            f"| {names[name]} | {int(s['questions'])} | {100 * s['mean']:.1f} | {100 * s['vote']:.1f} | "
+            f"{100 * s['any']:.1f} | {s['tokens_generated']:.0f} | {s['tokens_prefilled']:.0f} | "
+            f"{s['tokens_prefilled_unshared']:.0f} |"
+        )
+    return "\n".join(lines)
