@@ -9,6 +9,7 @@ and ``vote`` (the majority-vote answer's score), with their token counts.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -20,9 +21,25 @@ from compaction_gym.agents.evaluate import task_env_kwargs
 from compaction_gym.agents.rsa import RSA, RSAConfig, RSARun, score_population
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.envs.math import extract_answer
+from compaction_gym.errors import InvalidArgumentError
 
 #: the methods one question reports
 METHODS = ("rsa", "plain")
+#: how a response's answer is found: the env's own rule (the last ``<answer>`` tag), or, for small
+#: models that ignore the tag instruction, the last number of a response without a tag
+ANSWER_FORMATS = ("tag", "last_number")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def normalise(text: str, answer_format: str) -> str:
+    """The response the env scores: ``text`` itself (``tag``), or with ``last_number`` and no
+    ``<answer>`` tag, its last number wrapped in one (unchanged when it has none)."""
+    if answer_format not in ANSWER_FORMATS:
+        raise InvalidArgumentError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    if answer_format == "tag" or extract_answer(text) is not None:
+        return text
+    numbers = _NUMBER.findall(text)
+    return f"<answer>{numbers[-1]}</answer>" if numbers else text
 
 
 def plain_config(cfg: RSAConfig) -> RSAConfig:
@@ -30,23 +47,24 @@ def plain_config(cfg: RSAConfig) -> RSAConfig:
     return RSAConfig(population=cfg.population * (cfg.rounds + 1), subset=1, rounds=0, seed=cfg.seed)
 
 
-def env_scorer(env: gym.Env, info: dict[str, Any]) -> Callable[[str], float]:
+def env_scorer(env: gym.Env, info: dict[str, Any], answer_format: str = "tag") -> Callable[[str], float]:
     """Scores a response to the question ``info`` describes by the env's own verifier (a fresh
-    one-step episode on the same item per response)."""
+    one-step episode on the same item per response; the response passed through :func:`normalise` first)."""
 
     def score(text: str) -> float:
         env.reset(options={"dataset": info["dataset"], "index": info["index"]})
-        return float(env.step(text)[1])
+        return float(env.step(normalise(text, answer_format))[1])
 
     return score
 
 
-def answer_extractor(env: gym.Env) -> Callable[[str], str | None]:
-    """The answer the env scores: the last ``<answer>`` tag, or the stripped text when the env
-    does not require the tag (``require_answer_tag=False``)."""
+def answer_extractor(env: gym.Env, answer_format: str = "tag") -> Callable[[str], str | None]:
+    """The answer the env scores: the last ``<answer>`` tag (of the text after :func:`normalise`), or
+    the stripped text when the env does not require the tag (``require_answer_tag=False``)."""
     required = getattr(env.unwrapped, "require_answer_tag", True)
 
     def extract(text: str) -> str | None:
+        text = normalise(text, answer_format)
         found = extract_answer(text)
         return found if found is not None or required else text.strip()
 
@@ -75,9 +93,13 @@ def evaluate_rsa(
     env_kwargs: dict[str, Any] | None = None,
     baseline: bool = True,
     output: str | Path | None = None,
+    answer_format: str = "tag",
     on_question: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """RSA (and plain sampling at equal generations) on ``episodes`` questions per task.
+
+    ``answer_format`` (:data:`ANSWER_FORMATS`) says how a response's answer is found before the
+    env scores it (:func:`normalise`).
 
     Returns:
         ``{"questions": [...], "summary": {method: {"mean", "vote", "any", "tokens_generated",
@@ -95,14 +117,14 @@ def evaluate_rsa(
             for i in range(episodes):
                 s = seed + i
                 question, info = env.reset(seed=s)
-                score = env_scorer(env, info)
+                score = env_scorer(env, info, answer_format)
                 row: dict[str, Any] = {"task": info.get("dataset", task), "seed": s, "index": info["index"], "answer": str(info["answer"])}
                 runs = {"rsa": replace(cfg, seed=s)}
                 if baseline:
                     runs["plain"] = plain_config(runs["rsa"])
                 for name, rcfg in runs.items():
                     run = RSA(engine, rcfg, compaction=compaction, sampling=sampling).run(question)
-                    row[name] = question_row(run, score, answer_extractor(env))
+                    row[name] = question_row(run, score, answer_extractor(env, answer_format))
                 rows.append(row)
                 if out is not None:  # one line per question as it ends
                     with (out / "rsa.jsonl").open("a") as fh:
@@ -113,7 +135,8 @@ def evaluate_rsa(
             env.close()
     summary = summarise(rows)
     if out is not None:
-        (out / "rsa_summary.json").write_text(json.dumps({"config": asdict(cfg), "summary": summary}, indent=2))
+        meta = {"config": asdict(cfg), "answer_format": answer_format, "summary": summary}
+        (out / "rsa_summary.json").write_text(json.dumps(meta, indent=2))
     return {"questions": rows, "summary": summary}
 
 

@@ -15,6 +15,7 @@ from compaction_gym.agents.rsa import RSAConfig
 from compaction_gym.cli_args import add_dataclass_arguments, given_fields
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import CompactionGymError, InvalidArgumentError
+from compaction_gym.evaluation.rsa import ANSWER_FORMATS
 
 #: fields without a flag: the RSA seed and the sampling seed are the episode's env seed
 SKIPPED_SEEDS = ("seed",)
@@ -30,6 +31,14 @@ class RSAArgs:
     episodes: int = field(default=4, metadata={"help": "questions per task"})
     env_seed: int = field(default=0, metadata={"help": "question i uses env seed ENV_SEED+i (and RSA seed)"})
     env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra gym.make kwargs as JSON"})
+    answer_format: str = field(
+        default="tag",
+        metadata={
+            "help": "tag: the env's rule (last <answer> tag); last_number: a response without a tag is "
+            "scored on its last number (small models that ignore the tag instruction)",
+            "choices": ANSWER_FORMATS,
+        },
+    )
     baseline: bool = field(default=True, metadata={"help": "also run plain sampling of N*(T+1) solutions"})
     output: str | None = field(default=None, metadata={"help": "directory for rsa.jsonl and rsa_summary.json"})
     max_slots: int = field(default=16, metadata={"help": "engine session slots (members run in groups that fit)"})
@@ -100,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
 
         result = evaluate_rsa(
             engine, cfg.env, rsa, tasks=cfg.task or [None], episodes=cfg.episodes, seed=cfg.env_seed,
-            compaction=compaction, sampling=sampling, baseline=cfg.baseline, env_kwargs=cfg.env_kwargs, output=cfg.output, on_question=report,
+            compaction=compaction, sampling=sampling, baseline=cfg.baseline, env_kwargs=cfg.env_kwargs, answer_format=cfg.answer_format, output=cfg.output, on_question=report,
         )  # fmt: skip
     except CompactionGymError as exc:
         print(f"compaction-gym rsa: {exc}", file=sys.stderr)

@@ -23,7 +23,14 @@ from compaction_gym.agents.rsa import (
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 from compaction_gym.envs.math import extract_answer
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.evaluation.rsa import env_scorer, evaluate_rsa, markdown_table, plain_config
+from compaction_gym.evaluation.rsa import (
+    answer_extractor,
+    env_scorer,
+    evaluate_rsa,
+    markdown_table,
+    normalise,
+    plain_config,
+)
 from compaction_gym.evaluation.rsa_cli import add_arguments, load_configs
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=10)
@@ -160,6 +167,21 @@ def test_env_scorer_uses_the_envs_verifier():
     assert score(f"so <answer>{info['answer']}</answer>") == 1.0
     assert score("<answer>not a number</answer>") == 0.0
     assert score(f"<answer>{info['answer']}</answer>") == 1.0  # the item is the same every time
+
+
+def test_last_number_answers_are_scored_by_the_env():
+    """``last_number``: an untagged response is scored on its last number; a tagged one as is."""
+    assert normalise("so 3 + 4 is 7.", "last_number") == "<answer>7</answer>"
+    assert normalise("<answer>5</answer> then 9", "last_number") == "<answer>5</answer> then 9"
+    assert normalise("no digits", "last_number") == "no digits" and normalise("is 7", "tag") == "is 7"
+    with pytest.raises(InvalidArgumentError, match="answer_format"):
+        normalise("7", "first_number")
+    env = gym.make("AttnMatch-Math-v0", dataset="basic_arithmetic")
+    _, info = env.reset(seed=1)
+    right, wrong = f"The result is {info['answer']}.", f"The result is {int(info['answer']) + 1}."
+    assert env_scorer(env, info, "last_number")(right) == 1.0 and env_scorer(env, info)(right) == 0.0
+    assert env_scorer(env, info, "last_number")(wrong) == 0.0
+    assert answer_extractor(env, "last_number")(right) == str(info["answer"])
 
 
 def test_end_to_end_scored_by_the_env(engine, tmp_path):
