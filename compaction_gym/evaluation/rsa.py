@@ -1,9 +1,10 @@
 """RSA as an evaluation mode of the math envs: accuracy vs compute against plain sampling (docs/rsa.md).
 
-Each question (env seed ``s``) runs RSA with ``N``, ``K``, ``T`` (seed ``s``) and, as the baseline,
-plain sampling of ``N·(T + 1)`` solutions: as many generations as RSA makes. Both are scored by
-the env on their final population: ``mean`` (the average per-member score, the paper's metric)
-and ``vote`` (the majority-vote answer's score), with their token counts.
+Each question (env seed ``s``) runs RSA with ``N``, ``K``, ``T`` (seed ``s``) and two baselines:
+plain sampling of ``N·(T + 1)`` solutions (as many generations as RSA makes) and plain sampling
+until as many sampled tokens as RSA's. All are scored by the env on their final population:
+``mean`` (the average per-member score, the paper's metric) and ``vote`` (the majority-vote
+answer's score), with their token counts.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any
 import gymnasium as gym
 
 from compaction_gym.agents.evaluate import task_env_kwargs
-from compaction_gym.agents.rsa import RSA, RSAConfig, RSARun, score_population
+from compaction_gym.agents.rsa import RSA, RSACompute, RSAConfig, RSARun, derive, score_population
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.envs.math import extract_answer
 from compaction_gym.errors import InvalidArgumentError
 
 #: the methods one question reports
-METHODS = ("rsa", "plain")
+METHODS = ("rsa", "plain", "plain_tokens")
+#: most batches :func:`plain_at_tokens` draws
+MAX_PLAIN_BATCHES = 64
 #: how a response's answer is found: the env's own rule (the last ``<answer>`` tag), or, for small
 #: models that ignore the tag instruction, the last number of a response without a tag
 ANSWER_FORMATS = ("tag", "last_number")
@@ -45,6 +48,30 @@ def normalise(text: str, answer_format: str) -> str:
 def plain_config(cfg: RSAConfig) -> RSAConfig:
     """Plain sampling with as many generations as ``cfg`` makes: ``N·(T + 1)`` solutions, no rounds."""
     return RSAConfig(population=cfg.population * (cfg.rounds + 1), subset=1, rounds=0, seed=cfg.seed)
+
+
+def plain_at_tokens(
+    engine: Any,
+    question: str,
+    cfg: RSAConfig,
+    target: int,
+    *,
+    compaction: CompactionConfig | None = None,
+    sampling: SamplingParams | None = None,
+) -> RSARun:
+    """Plain sampling at RSA's token budget: batches of ``N·(T + 1)`` independent solutions (batch
+    ``b`` seeded ``derive(cfg.seed, 1_000_000 + b)``) until their sampled tokens reach ``target``
+    (RSA's ``generated``), at most :data:`MAX_PLAIN_BATCHES`. Returns one population of them all."""
+    texts: list[str] = []
+    total = RSARun([texts], [], RSACompute())
+    base = plain_config(cfg)
+    for b in range(MAX_PLAIN_BATCHES):
+        run = RSA(engine, replace(base, seed=derive(cfg.seed, 1_000_000 + b)), compaction=compaction, sampling=sampling).run(question)
+        texts.extend(run.populations[0])
+        total.compute.add(run.compute)
+        if total.compute.generated >= target:
+            break
+    return total
 
 
 def env_scorer(env: gym.Env, info: dict[str, Any], answer_format: str = "tag") -> Callable[[str], float]:
@@ -96,7 +123,9 @@ def evaluate_rsa(
     answer_format: str = "tag",
     on_question: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """RSA (and plain sampling at equal generations) on ``episodes`` questions per task.
+    """RSA and its baselines on ``episodes`` questions per task: ``plain`` (as many generations
+    as RSA) and ``plain_tokens`` (plain sampling until as many sampled tokens as RSA's,
+    :func:`plain_at_tokens`).
 
     ``answer_format`` (:data:`ANSWER_FORMATS`) says how a response's answer is found before the
     env scores it (:func:`normalise`).
@@ -122,9 +151,14 @@ def evaluate_rsa(
                 runs = {"rsa": replace(cfg, seed=s)}
                 if baseline:
                     runs["plain"] = plain_config(runs["rsa"])
+                extract = answer_extractor(env, answer_format)
                 for name, rcfg in runs.items():
                     run = RSA(engine, rcfg, compaction=compaction, sampling=sampling).run(question)
-                    row[name] = question_row(run, score, answer_extractor(env, answer_format))
+                    row[name] = question_row(run, score, extract)
+                    if name == "rsa" and baseline:
+                        target = run.compute.generated
+                        eq = plain_at_tokens(engine, question, rcfg, target, compaction=compaction, sampling=sampling)
+                        row["plain_tokens"] = question_row(eq, score, extract) | {"samples": len(eq.populations[0])}
                 rows.append(row)
                 if out is not None:  # one line per question as it ends
                     with (out / "rsa.jsonl").open("a") as fh:
@@ -159,11 +193,13 @@ def markdown_table(summary: dict[str, dict[str, float]], cfg: RSAConfig) -> str:
     ]
     names = {
         "rsa": f"RSA N={cfg.population} K={cfg.subset} T={cfg.rounds}",
-        "plain": f"plain sampling, {cfg.population * (cfg.rounds + 1)} samples",
+        "plain": f"plain sampling, {cfg.population * (cfg.rounds + 1)} samples (equal generations)",
+        "plain_tokens": "plain sampling at RSA's sampled tokens ({:.1f} samples/q)",
     }
     for name, s in summary.items():
+        label = names[name].format(s.get("samples", 0))
         lines.append(
-            f"| {names[name]} | {int(s['questions'])} | {100 * s['mean']:.1f} | {100 * s['vote']:.1f} | "
+            f"| {label} | {int(s['questions'])} | {100 * s['mean']:.1f} | {100 * s['vote']:.1f} | "
             f"{100 * s['any']:.1f} | {s['tokens_generated']:.0f} | {s['tokens_prefilled']:.0f} | "
             f"{s['tokens_prefilled_unshared']:.0f} |"
         )

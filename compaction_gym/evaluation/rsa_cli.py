@@ -15,7 +15,7 @@ from compaction_gym.agents.rsa import RSAConfig
 from compaction_gym.cli_args import add_dataclass_arguments, given_fields
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import CompactionGymError, InvalidArgumentError
-from compaction_gym.evaluation.rsa import ANSWER_FORMATS
+from compaction_gym.evaluation.rsa import ANSWER_FORMATS, METHODS
 
 #: fields without a flag: the RSA seed and the sampling seed are the episode's env seed
 SKIPPED_SEEDS = ("seed",)
@@ -39,7 +39,10 @@ class RSAArgs:
             "choices": ANSWER_FORMATS,
         },
     )
-    baseline: bool = field(default=True, metadata={"help": "also run plain sampling of N*(T+1) solutions"})
+    baseline: bool = field(
+        default=True,
+        metadata={"help": "also run plain sampling: N*(T+1) solutions, and as many sampled tokens as RSA's"},
+    )
     output: str | None = field(default=None, metadata={"help": "directory for rsa.jsonl and rsa_summary.json"})
     max_slots: int = field(default=16, metadata={"help": "engine session slots (members run in groups that fit)"})
     capacity: int | None = field(default=None, metadata={"help": "KV rows per session slot (unset: engine's)"})
@@ -104,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(cfg.model, **kwargs)
 
         def report(row: dict[str, Any]) -> None:
-            cells = ", ".join(f"{m} mean {row[m]['mean']:.2f} vote {row[m]['vote']:.0f}" for m in ("rsa", "plain") if m in row)
+            cells = ", ".join(f"{m} mean {row[m]['mean']:.2f} vote {row[m]['vote']:.0f}" for m in METHODS if m in row)
             print(f"{row['task']} seed {row['seed']} (answer {row['answer']}): {cells}", flush=True)
 
         result = evaluate_rsa(

@@ -195,6 +195,9 @@ def test_end_to_end_scored_by_the_env(engine, tmp_path):
         assert q["answer"] == str(info["answer"]) and q["index"] == info["index"]
         for m in ("rsa", "plain"):
             assert 0 <= q[m]["mean"] <= 1 and len(q[m]["final_answers"]) == (2 if m == "rsa" else 4)
+        eq = q["plain_tokens"]  # batches of 4 until RSA's sampled tokens are reached
+        assert eq["tokens_generated"] >= q["rsa"]["tokens_generated"] and eq["samples"] % 4 == 0
+        assert eq["samples"] == 4 or eq["tokens_generated"] - q["rsa"]["tokens_generated"] < 4 * SAMPLING.max_new_tokens
     s = out["summary"]
     assert s["plain"]["tokens_generated"] > 0 and s["rsa"]["questions"] == 2
     assert (tmp_path / "rsa.jsonl").read_text().count("\n") == 2
