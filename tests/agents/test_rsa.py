@@ -217,3 +217,15 @@ def test_cli_flags_declared_once():
         load_configs(parser.parse_args(["--population", "2", "--subset", "3"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--seed", "1"])  # the seed is the env seed (--env-seed), declared once
+
+
+def test_rgmix_questions_are_scored_on_their_own_dataset(engine):
+    """On AttnMatch-RGMix-v0 a task pins the dataset; the scorer re-opens the same item."""
+    env = gym.make("AttnMatch-RGMix-v0", weights={"countdown": 1.0})
+    _, info = env.reset(seed=2)
+    score = env_scorer(env, info)
+    assert info["dataset"] == "countdown" and score(f"<answer>{info['answer']}</answer>") == 1.0
+    out = evaluate_rsa(engine, "AttnMatch-RGMix-v0", RSAConfig(population=2, subset=1, rounds=1),
+                       tasks=["countdown"], episodes=1, seed=2, sampling=SAMPLING, baseline=False)  # fmt: skip
+    (q,) = out["questions"]
+    assert q["task"] == "countdown" and q["index"] == info["index"] and set(out["summary"]) == {"rsa"}
