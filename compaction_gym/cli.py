@@ -19,6 +19,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "compaction_gym.leaderboard.cli",
         "run, show and check the leaderboard: methods x suites x seeds",
     ),
+    "rsa": (
+        "compaction_gym.evaluation.rsa_cli",
+        "Recursive Self-Aggregation vs plain sampling on a math env (accuracy vs tokens)",
+    ),
     "eval-lm": ("compaction_gym.lmeval.cli", "perplexity / bits per byte of a text under compacted KV caches"),
     "serve": ("compaction_gym.servers.cli", "serve the session API over HTTP"),
     "train": ("compaction_gym.trainers.cli", "train with GRPO replay, tree SFT or GJS distillation"),

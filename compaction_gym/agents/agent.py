@@ -57,7 +57,7 @@ class CompactionAgent:
         backend: any :class:`~compaction_gym.backends.Backend` (e.g. :class:`~compaction_gym.backends.LocalBackend`).
         tokenizer: the model's tokenizer (default: ``backend.tokenizer``).
         compaction: the session's :class:`CompactionConfig` (default: no compaction). With
-            ``inject_budget_message`` and no ``budget_message_frame``, the frame is set from the
+            ``inject_budget_message`` or ``inject_budget_every`` and no ``budget_message_frame``, the frame is set from the
             chat template (:meth:`ChatFormat.message_frame`), so the engine's budget messages
             follow this agent's template.
         sampling: per-turn :class:`SamplingParams` (default: greedy, the prompt format's
@@ -108,7 +108,7 @@ class CompactionAgent:
             chat_template=chat_template,
             template_kwargs=chat_template_kwargs,
         )
-        if self.compaction.inject_budget_message and self.compaction.budget_message_frame is None:
+        if self.compaction.injects_budget and self.compaction.budget_message_frame is None:
             with warnings.catch_warnings():  # the config already warned when it was made
                 warnings.simplefilter("ignore")
                 # budget messages framed as a user turn of this agent's template (docs/agents.md)

@@ -86,5 +86,11 @@ class LocalBackend:
     def close(self, session_id: str) -> None:
         self.engine.close(session_id)
 
+    def inject_generate(
+        self, prompt_ids: list[int], config: CompactionConfig, sampling: SamplingParams | None = None
+    ) -> StepResult:
+        """One prompt, no compaction, the periodic budget message (``Engine.inject_generate``)."""
+        return self.engine.inject_generate(prompt_ids, config, sampling)
+
     def __repr__(self) -> str:
         return f"LocalBackend(name={self.name!r}, max_slots={getattr(self.engine, 'max_slots', '?')})"

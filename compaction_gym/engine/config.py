@@ -193,6 +193,9 @@ class CompactionConfig(_DictMixin):
         ridge: relative ridge strength of the C2 solve.
         refit_values: ``attention_matching`` refits C2 (``False``: the kept rows' original values).
         inject_budget_message: after each compaction event, prefill the budget message.
+        inject_budget_every: prefill the budget message after every this many sampled tokens of
+            the session, with or without compaction (``mode="none"``: the seeds' ``inject_only``
+            baseline); ``None`` disables it.
         budget_message_template: formatted with ``used``, ``total`` and ``remaining``.
         budget_message_frame: ``(prefix, suffix)`` text placed around the budget message before it
             is tokenized (as one text): how the caller's chat template frames a user turn and the
@@ -260,6 +263,15 @@ class CompactionConfig(_DictMixin):
     inject_budget_message: bool = field(
         default=False, metadata={"help": "after each compaction event, feed the budget message"}
     )
+    inject_budget_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "feed the budget message after every N sampled tokens, with or without compaction "
+            "(mode 'none': inject only); unset: never",
+            "gt": 0,
+            "le": INT32_MAX,
+        },
+    )
     budget_message_template: str = field(
         default=DEFAULT_BUDGET_TEMPLATE,
         metadata={"help": "budget message, formatted with {used}, {total} and {remaining}", "max_length": 4096},
@@ -297,13 +309,18 @@ class CompactionConfig(_DictMixin):
                     f"compact_window ({window}) must be smaller than max_kv_len ({self.max_kv_len})"
                 )
             object.__setattr__(self, "compact_window", window)
-        if self.inject_budget_message:
+        if self.injects_budget:
             try:
                 self.budget_message_template.format(used=0, total=0, remaining=0)
             except (KeyError, IndexError) as exc:
                 raise InvalidArgumentError(
                     f"budget_message_template may only use {{used}}, {{total}}, {{remaining}}: {exc}"
                 ) from exc
+
+    @property
+    def injects_budget(self) -> bool:
+        """Whether budget messages are ever fed (after events, or every ``inject_budget_every`` tokens)."""
+        return self.inject_budget_message or self.inject_budget_every is not None
 
     @property
     def turn_based(self) -> bool:

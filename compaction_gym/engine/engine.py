@@ -443,6 +443,25 @@ class Engine:
         self.close(result.session_id)
         return result
 
+    def inject_generate(
+        self, prompt_ids: Sequence[int], config: CompactionConfig, sampling: SamplingParams | None = None
+    ) -> StepResult:
+        """One prompt, no compaction, the budget message fed every ``config.inject_budget_every``
+        sampled tokens; session closed after (the seeds' ``inject_only`` baseline).
+
+        ``sampling=None`` generates up to ``config.max_total_tokens``.
+
+        Raises:
+            InvalidArgumentError: ``config.inject_budget_every`` unset or ``config.mode`` not ``none``.
+        """
+        if not isinstance(config, CompactionConfig) or config.inject_budget_every is None:
+            raise InvalidArgumentError("inject_generate needs a CompactionConfig with inject_budget_every set")
+        if config.enabled:
+            raise InvalidArgumentError(f"inject_generate does not compact: mode must be 'none', got {config.mode!r}")
+        if sampling is None and config.max_total_tokens is not None:
+            sampling = SamplingParams(max_new_tokens=config.max_total_tokens)
+        return self.compact_generate(prompt_ids, config, sampling)
+
     # ------------------------------------------------------------- helpers
     def _ids(self, ids, name: str) -> list[int]:
         if isinstance(ids, torch.Tensor):
@@ -474,13 +493,12 @@ class Engine:
             )
         if config.queries in REPEAT_SOURCES and config.mode != "none" and self.tokenizer is None:
             raise InvalidArgumentError(f"queries={config.queries!r} needs an engine with a tokenizer (the repeat prompt)")
-        if config.inject_budget_message:
+        if config.injects_budget:
+            name = "inject_budget_message" if config.inject_budget_message else "inject_budget_every"
             if self.tokenizer is None:
-                raise InvalidArgumentError("inject_budget_message needs an engine with a tokenizer")
+                raise InvalidArgumentError(f"{name} needs an engine with a tokenizer")
             if config.max_total_tokens is None:
-                raise InvalidArgumentError(
-                    "inject_budget_message needs max_total_tokens (the budget it reports)"
-                )
+                raise InvalidArgumentError(f"{name} needs max_total_tokens (the budget it reports)")
 
     def _decode(self, ids: list[int]) -> str:
         return (

@@ -14,8 +14,9 @@
    before the host must act — its ``max_new_tokens``, its budget, the next KV-budget event or a
    full slot — and stopped on the device by its stop tokens. After each token the same checks
    run on the host: stop, budget, length, then KV-budget compaction to make room for the next
-   token (an event's budget message makes the row feed several tokens: a batched forward, then
-   it samples again from the logits).
+   token (an event's budget message, or the periodic one every ``inject_budget_every`` sampled
+   tokens, makes the row feed several tokens: a batched forward, then it samples again from the
+   logits).
 4. **After the response** — turn-based compaction (and its budget message) per session that
    sampled tokens, or whose input ended with a complete (teacher-forced) response.
 
@@ -302,7 +303,9 @@ class Scheduler:
         assert self.kv_len(s) + need <= self.cache.capacity, (s.session_id, self.kv_len(s), need)
         return [message] if message else []
 
-    def _compact_for(self, w: Work, need: int) -> tuple[list[CompactionEvent], list[int]]:
+    def _compact_for(
+        self, w: Work, need: int, *, with_message: bool = True
+    ) -> tuple[list[CompactionEvent], list[int]]:
         """KV-budget events so that ``need`` more rows fit, plus the budget message they call for.
 
         Events fired back to back share one message, and room is made for the message too.
@@ -311,7 +314,7 @@ class Scheduler:
         tc = time.perf_counter()
         events = self.compactor.make_room(s, need)
         message: list[int] = []
-        if events and s.config.inject_budget_message:
+        if events and with_message and s.config.inject_budget_message:
             events += self.compactor.make_room(s, need + len(self.budget_message(s)))
             message = self.budget_message(s)
         w.events += events
@@ -435,6 +438,9 @@ class Scheduler:
         n = min(horizon, w.params.max_new_tokens - w.sampled)
         if s.config.max_total_tokens is not None:
             n = min(n, s.config.max_total_tokens - s.generated)
+        every = s.config.inject_budget_every
+        if every is not None:  # the host injects the periodic budget message
+            n = min(n, every - s.generated % every)
         kv0 = self.kv_len(s)  # before feeding the pending token; after step j it holds kv0 + j rows
 
         def blocked(j: int) -> bool:
@@ -470,9 +476,15 @@ class Scheduler:
         return w.finish is None
 
     def _room_for_next(self, w: Work) -> None:
-        """KV-budget compaction (and its budget message) so the pending tokens fit; ``length`` if the slot is full."""
+        """The periodic budget message when ``inject_budget_every`` sampled tokens have passed, then
+        KV-budget compaction (and its budget message, unless the periodic one was just injected) so
+        the pending tokens fit; ``length`` if the slot is full."""
         s = w.session
-        _, message = self._compact_for(w, len(s.pending))
+        every = s.config.inject_budget_every
+        periodic = every is not None and s.generated % every == 0
+        if periodic:
+            self._inject(w, self.budget_message(s))
+        _, message = self._compact_for(w, len(s.pending), with_message=not periodic)
         if message:
             self._inject(w, message)
         if self.kv_len(s) + len(s.pending) > self.cache.capacity:

@@ -167,14 +167,21 @@ class Suite(SuiteFile[Cell]):
     @property
     def baseline(self) -> Cell | None:
         """The full-KV cell every other record pairs against: the first LLM method with mode ``none``."""
-        return next((c for c in self.cells if c.compaction.mode == "none" and c.trainer is None), None)
+        return next(
+            (
+                c
+                for c in self.cells
+                if c.compaction.mode == "none" and c.trainer is None and not c.compaction.injects_budget
+            ),
+            None,
+        )
 
 
 #: ``CompactionConfig`` fields added after records were first written, each with the value that
 #: reproduces the behaviour from before it existed. At that value a field is left out of a cell's
 #: config (and so of its hash): adding a behaviour-preserving field orphans no record, while any
 #: other value (or a changed default) changes the hash as it must (docs/leaderboard.md).
-NEUTRAL_LATER_FIELDS: dict[str, Any] = {"refit_values": True}
+NEUTRAL_LATER_FIELDS: dict[str, Any] = {"refit_values": True, "inject_budget_every": None}
 
 
 def hashed_compaction(compaction: Any) -> dict[str, Any]:

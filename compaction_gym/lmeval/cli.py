@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     c = parser.add_argument_group("compaction (CompactionConfig; protect_prompt defaults to off here)")
     add_dataclass_arguments(
-        c, CompactionConfig, config=False, skip=("inject_budget_message", "budget_message_template")
+        c, CompactionConfig, config=False, skip=("inject_budget_message", "inject_budget_every", "budget_message_template")
     )
 
 

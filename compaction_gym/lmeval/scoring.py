@@ -104,9 +104,9 @@ def make_cells(
     base = dict(base or {})
     for name in ("mode", "max_kv_len", "compute_beta"):
         base.pop(name, None)
-    if base.get("n_protect_turns", -1) >= 0 or base.get("inject_budget_message"):
+    if base.get("n_protect_turns", -1) >= 0 or base.get("inject_budget_message") or base.get("inject_budget_every"):
         raise InvalidArgumentError(
-            "eval-lm compacts by KV budget only: drop n_protect_turns and inject_budget_message"
+            "eval-lm compacts by KV budget only: drop n_protect_turns, inject_budget_message and inject_budget_every"
         )
     names = list(modes)
     cells = [Cell("none", CompactionConfig())] if reference or "none" in names else []

@@ -1,6 +1,6 @@
 """The FastAPI app: the session API (docs/server.md) over an :class:`~compaction_gym.engine.Engine`.
 
-Routes: ``POST /compact_generate``, ``POST /compact_session/create``, ``POST
+Routes: ``POST /compact_generate``, ``POST /inject_generate``, ``POST /compact_session/create``, ``POST
 /compact_session/step``, ``POST /compact_session/step_batch``, ``DELETE
 /compact_session/{session_id}``, ``GET /health``, ``GET /metrics``, plus the OpenAI-compatible
 ``GET /v1/models`` and ``POST /v1/chat/completions`` (:mod:`compaction_gym.servers.openai_api`).
@@ -33,6 +33,7 @@ from compaction_gym.servers.schemas import (
     DeleteResponse,
     GenerateResponse,
     HealthResponse,
+    InjectGenerateRequest,
     SessionCreateRequest,
     SessionStepBatchRequest,
     SessionStepRequest,
@@ -79,6 +80,17 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     @app.post("/compact_generate", response_model=GenerateResponse)
     async def compact_generate(body: CompactGenerateRequest, request: Request) -> dict[str, Any]:
         """One prompt, compacted mid-generation; no session is kept."""
+        state.check_ids("prompt_ids", body.prompt_ids)
+        state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
+        config, sampling = body.compaction_config(), body.sampling()
+        work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
+        result, text, info = await unless_disconnected(request, work)
+        return to_response(result, text, info)
+
+    @app.post("/inject_generate", response_model=GenerateResponse)
+    async def inject_generate(body: InjectGenerateRequest, request: Request) -> dict[str, Any]:
+        """One prompt, no compaction, the budget message fed every ``inject_budget_every`` sampled
+        tokens (mask 0, log-prob 0); no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()

@@ -224,6 +224,31 @@ class HTTPBackend:
         )
         return from_response(self._request("POST", "/compact_generate", json=body, retry_429=True))
 
+    def inject_generate(
+        self, prompt_ids: list[int], config: CompactionConfig, sampling: SamplingParams | None = None
+    ) -> StepResult:
+        """One prompt, no compaction, the budget message every ``config.inject_budget_every``
+        sampled tokens (``POST /inject_generate``); no session is kept.
+
+        Raises:
+            InvalidArgumentError: ``config.inject_budget_every`` or ``config.max_total_tokens`` unset,
+                or ``config.mode`` not ``none``.
+        """
+        if config.inject_budget_every is None or config.max_total_tokens is None or config.enabled:
+            raise InvalidArgumentError(
+                "inject_generate needs mode='none' with inject_budget_every and max_total_tokens set"
+            )
+        body: dict[str, Any] = {
+            "prompt_ids": [int(t) for t in prompt_ids],
+            "max_total_tokens": config.max_total_tokens,
+            "inject_budget_every": config.inject_budget_every,
+            "budget_message_template": config.budget_message_template,
+        }
+        if config.budget_message_frame is not None:
+            body["budget_message_frame"] = list(config.budget_message_frame)
+        body |= sampling_fields(sampling)
+        return from_response(self._request("POST", "/inject_generate", json=body, retry_429=True))
+
     # ------------------------------------------------------------------ plumbing
     def _request(
         self,

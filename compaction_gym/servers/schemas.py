@@ -146,6 +146,7 @@ class CompactionFields(_Request):
     ridge: float = _cc("ridge")
     refit_values: bool = _cc("refit_values")
     inject_budget_message: bool = _cc("inject_budget_message")
+    inject_budget_every: int | None = _cc("inject_budget_every")
     budget_message_template: str = _cc("budget_message_template")
     budget_message_frame: list[Annotated[str, Field(max_length=4096)]] | None = _cc(
         "budget_message_frame", min_length=2, max_length=2
@@ -183,6 +184,35 @@ class CompactGenerateRequest(CompactionFields, SamplingFields):
         if "max_new_tokens" not in overrides and self.max_total_tokens is not None:
             overrides["max_new_tokens"] = self.max_total_tokens
         return SamplingParams(**overrides) if overrides else None
+
+
+class InjectGenerateRequest(SamplingFields):
+    """``POST /inject_generate``: one prompt, no compaction, the budget message fed after every
+    ``inject_budget_every`` sampled tokens (the original research API's ``inject_only`` baseline);
+    no session is kept. ``max_new_tokens`` defaults to ``max_total_tokens``.
+    """
+
+    prompt_ids: list[TokenId] = Field(min_length=1)
+    max_total_tokens: int = _cc("max_total_tokens", default=...)
+    inject_budget_every: int = _cc("inject_budget_every", default=...)
+    budget_message_template: str = _cc("budget_message_template")
+    budget_message_frame: list[Annotated[str, Field(max_length=4096)]] | None = _cc(
+        "budget_message_frame", min_length=2, max_length=2
+    )
+
+    def compaction_config(self) -> CompactionConfig:
+        """The inject-only config: ``mode="none"`` with the periodic budget message.
+
+        Raises:
+            InvalidArgumentError: the combination is invalid (the message names the field).
+        """
+        names = ("max_total_tokens", "inject_budget_every", "budget_message_template", "budget_message_frame")
+        return CompactionConfig(mode="none", **{n: getattr(self, n) for n in names if n in self.model_fields_set})
+
+    def sampling(self) -> SamplingParams:
+        overrides = self.sampling_overrides()
+        overrides.setdefault("max_new_tokens", self.max_total_tokens)
+        return SamplingParams(**overrides)
 
 
 class SessionCreateRequest(CompactionFields, SamplingFields):

@@ -286,8 +286,9 @@ def test_engine_sessions_run_the_new_baselines(tiny_model_path, mode):
 
 
 def _play(tiny_model_path, fast: bool, chunk_steps: int) -> list:
-    """Sessions through KV-budget events with suffix probes and budget messages, a stop token,
-    sampled and greedy rows, on an engine whose runner runs ``chunk_steps``-step chunks."""
+    """Sessions through KV-budget events with suffix probes and budget messages, periodic budget
+    messages (``inject_budget_every``), a stop token, sampled and greedy rows, on an engine whose
+    runner runs ``chunk_steps``-step chunks."""
     from compaction_gym.engine import CompactionConfig, Engine, StepRequest
 
     eng = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cpu", max_slots=3, capacity=400)
@@ -300,7 +301,8 @@ def _play(tiny_model_path, fast: bool, chunk_steps: int) -> list:
     h2o = CompactionConfig(mode="h2o", max_kv_len=64, compact_window=32, n_probe_queries=24)
     a = eng.create_session(list(range(20, 44)), am, SamplingParams(temperature=0.9, top_k=30, seed=1, max_new_tokens=120, ignore_eos=True))
     b = eng.create_session(list(range(50, 60)), h2o, SamplingParams(temperature=0.0, max_new_tokens=0))
-    c = eng.create_session(list(range(7, 30)), None, SamplingParams(temperature=0.0, max_new_tokens=23, ignore_eos=True))
+    every = CompactionConfig(inject_budget_every=7, max_total_tokens=200)
+    c = eng.create_session(list(range(7, 30)), every, SamplingParams(temperature=0.0, max_new_tokens=23, ignore_eos=True))
     stops = tuple(range(3, eng.layout.vocab_size, 9))  # a few tokens in
     rs = eng.step_batch([
         StepRequest(a.session_id, list(range(300, 340))),
@@ -317,6 +319,7 @@ def test_engine_results_do_not_depend_on_runner_or_chunk_length(tiny_model_path)
     ref = _play(tiny_model_path, fast=False, chunk_steps=1)
     assert sum(len(r.events) for r in ref) >= 4 and any(r.inject_ranges for r in ref)
     assert ref[-1].finish_reason == "stop" and len(ref[-1].token_ids) > 3
+    assert len(ref[2].inject_ranges) == 3  # the periodic messages after sampled tokens 7, 14, 21
     for fast, chunk in ((False, 5), (False, 32), (True, 1), (True, 5), (True, 32)):
         for want, got in zip(ref, _play(tiny_model_path, fast, chunk)):
             assert (got.token_ids, got.finish_reason, got.kv_len) == (want.token_ids, want.finish_reason, want.kv_len)

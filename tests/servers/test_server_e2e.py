@@ -31,7 +31,14 @@ BUDGET_MSG = CompactionConfig(
     max_total_tokens=64,
     inject_budget_message=True,
 )
-CONFIGS = {"none": None, "kv_budget": KV_BUDGET, "turns": TURNS, "budget_message": BUDGET_MSG}
+INJECT_ONLY = CompactionConfig(max_total_tokens=48, inject_budget_every=7)
+CONFIGS = {
+    "none": None,
+    "kv_budget": KV_BUDGET,
+    "turns": TURNS,
+    "budget_message": BUDGET_MSG,
+    "inject_every": INJECT_ONLY,
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +103,9 @@ def test_session_create_step_close_equal_local(name, backend, local):
     remote = _session_script(backend, f"equal-{name}", config)
     for got, want in zip(remote, _session_script(local, f"equal-{name}", config)):
         assert_same_result(got, want)
-    if config is not None:
+    if config is not None and config.enabled:
         assert any(r.events for r in remote), "this config should have compacted"
-    if name == "budget_message":
+    if name in ("budget_message", "inject_every"):
         assert any(r.inject_ranges for r in remote)
     with pytest.raises(UnknownSessionError):
         backend.step(f"equal-{name}", [1])
@@ -133,6 +140,26 @@ def test_compact_generate_equal_engine(backend, reference_engine):
     want = reference_engine.compact_generate([3, 4, 5, 6], KV_BUDGET, sampling)
     assert_same_result(remote, want, session_id=False)
     assert len(remote.events) >= 1
+
+
+def test_inject_generate_equal_engine(backend, local, url):
+    """``POST /inject_generate`` through HTTPBackend equals the in-process LocalBackend."""
+    sampling = SamplingParams(temperature=0.8, seed=5, max_new_tokens=30, ignore_eos=True)
+    remote = backend.inject_generate([3, 4, 5, 6], INJECT_ONLY, sampling)
+    want = local.inject_generate([3, 4, 5, 6], INJECT_ONLY, sampling)
+    assert_same_result(remote, want, session_id=False)
+    assert len(remote.inject_ranges) == 4 and sum(remote.completion_mask) == 30
+    for a, b in remote.inject_ranges:
+        assert set(remote.completion_mask[a:b]) == {0} and set(remote.logprobs[a:b]) == {0.0}
+    # raw body, the seeds' fields; max_new_tokens defaults to max_total_tokens
+    body = {"prompt_ids": [3, 4, 5, 6], "max_total_tokens": 20, "inject_budget_every": 8, "temperature": 0.6, "seed": 1}
+    before = _sessions(url)
+    data = httpx.post(f"{url}/inject_generate", json=body, timeout=120).json()
+    assert data["finish_reason"] == "stop" or sum(data["completion_mask"]) == 20
+    assert all(data["completion_mask"][a] == 0 for a, _ in data["diagnostics"]["inject_ranges"])
+    assert _sessions(url) == before  # no session is kept
+    with pytest.raises(InvalidArgumentError, match="mode='none'"):
+        backend.inject_generate([3, 4], KV_BUDGET)
 
 
 def test_compact_generate_seed_fields_raw(url):
@@ -273,6 +300,12 @@ def test_32_concurrent_sessions_equal_sequential_and_batch(backend, local, url):
         ("/compact_session/create", {"prompt_ids": [1], "compaction_mode": "zip"}, 422, "mode"),
         ("/compact_session/create", {"prompt_ids": [1], "max_kv_len": 4096}, 422, "max_kv_len"),
         ("/compact_generate", {"prompt_ids": []}, 422, "prompt_ids"),
+        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8}, 422, "inject_budget_every"),
+        ("/inject_generate", {"prompt_ids": [1], "inject_budget_every": 4}, 422, "max_total_tokens"),
+        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 0}, 422, "inject_budget_every"),
+        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 2, "max_kv_len": 9}, 422, "max_kv_len"),
+        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 2, "budget_message_template": "{x}"}, 422, "budget_message_template"),
+        ("/compact_session/create", {"prompt_ids": [1], "inject_budget_every": 3}, 422, "inject_budget_every"),
         ("/compact_session/step", {"new_token_ids": [1]}, 422, "session_id"),
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1]}, 404, "nope"),
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1], "top_p": 2}, 422, "top_p"),

@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from compaction_gym.errors import InvalidArgumentError
-from compaction_gym.servers.schemas import CompactGenerateRequest, SessionCreateRequest, SessionStepRequest
+from compaction_gym.servers.schemas import (
+    CompactGenerateRequest,
+    InjectGenerateRequest,
+    SessionCreateRequest,
+    SessionStepRequest,
+)
 
 _JSON_SCALARS = st.one_of(
     st.none(),
@@ -32,11 +37,15 @@ def _fields(model) -> list[str]:
     return sorted(n for n in names if isinstance(n, str))
 
 
-@pytest.mark.parametrize("model", [SessionCreateRequest, SessionStepRequest, CompactGenerateRequest])
+@pytest.mark.parametrize(
+    "model", [SessionCreateRequest, SessionStepRequest, CompactGenerateRequest, InjectGenerateRequest]
+)
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_any_body_validates_or_names_a_field(model, data):
     body = {"prompt_ids": [1, 2, 3]} if "prompt_ids" in model.model_fields else {"session_id": "s", "new_token_ids": [1]}
+    if model is InjectGenerateRequest:
+        body |= {"max_total_tokens": 16, "inject_budget_every": 4}
     for name in data.draw(st.lists(st.sampled_from(_fields(model)), max_size=3, unique=True)):
         body[name] = data.draw(_JSON)
     text = json.dumps(body, allow_nan=True)

@@ -226,3 +226,28 @@ def test_recorded_beta_is_what_replay_writes(engine, model):
     shifted = dataclasses.replace(first, beta=first.beta + 1.0)
     moved = dataclasses.replace(view, events=(shifted, *rest))
     assert max_sampled_diff(replay_logprobs(model, moved), view) > 10 * TOL
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CompactionConfig(inject_budget_every=9, max_total_tokens=400),  # inject_only: no compaction
+        CompactionConfig(mode="markovian", n_protect_turns=1, inject_budget_every=7, max_total_tokens=400),
+        CompactionConfig(
+            mode="attention_matching", max_kv_len=128, compact_window=64, n_probe_queries=16,
+            inject_budget_every=11, max_total_tokens=400,
+        ),  # fmt: skip
+    ],
+    ids=["inject_only", "turn", "kv_budget"],
+)
+def test_replay_with_periodic_budget_messages(engine, model, cfg):
+    """Periodic budget messages are injected ranges like any other: replay equals rollout, single and batched."""
+    view = plain_session(engine, cfg, seed=13)
+    sampled = [p for p in range(len(view.token_ids)) if view.completion_mask[p]]
+    assert len(sampled) == view.generated_tokens == 80
+    masked = sum(1 for p in range(view.prompt_len, len(view.token_ids)) if not view.completion_mask[p])
+    assert masked > 3 * 10 + (80 // cfg.inject_budget_every - 1) * 20  # inputs plus the messages
+    assert all(view.logprobs[p] == 0.0 for p in range(len(view.token_ids)) if not view.completion_mask[p])
+    assert max_sampled_diff(replay_logprobs(model, view), view) < TOL
+    batched = replay_logprobs_batch(model, [view, view], max_tokens_per_forward=32)
+    assert max_sampled_diff(batched.logprobs[1], view) < TOL
