@@ -53,8 +53,11 @@ class CheckResult:
     def ok(self) -> bool:
         return not self.failures
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"record": str(self.path), "ok": self.ok, "failures": self.failures}
+    def to_dict(self, root: str | Path | None = None) -> dict[str, Any]:
+        """The verdict as JSON; ``record`` relative to ``root`` when given, so a verdict written
+        next to its record reads the same in every checkout."""
+        record = self.path.relative_to(root) if root is not None else self.path
+        return {"record": str(record), "ok": self.ok, "failures": self.failures}
 
 
 def kv_failures(trajs: list[dict[str, Any]], max_kv_len: int | None) -> list[str]:
@@ -219,6 +222,6 @@ def check_all(root: str | Path, *, write: bool = True) -> list[CheckResult]:
     for path in find_records(root):
         res = check_record(path)
         if write:
-            write_json_atomic(path.parent / COMPLIANCE_FILE, res.to_dict())
+            write_json_atomic(path.parent / COMPLIANCE_FILE, res.to_dict(Path(root)))
         out.append(res)
     return out
