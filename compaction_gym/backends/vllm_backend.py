@@ -148,6 +148,23 @@ class VLLMBackend:
         per_rank = self._call_all("step_batch", requests)
         return [merge_rank_results(parts) for parts in zip(*per_rank)]
 
+    # continuous batching, as the server's worker schedules it (docs/server.md, docs/engine.md)
+    def submit(self, requests: Sequence[StepRequest | CreateRequest]) -> list[str]:
+        """Admit requests into the running work inside the workers (``Engine.submit``); their session ids."""
+        requests = list(requests)
+        if len(self.layouts) > 1:
+            requests = [same_on_every_rank(r) for r in requests]
+        return self._call_all("submit", requests)[0]
+
+    def advance(self, max_steps: int | None = None) -> list[StepResult]:
+        """One decode round inside the workers (``Engine.advance``): the results it finished."""
+        per_rank = self._call_all("advance", max_steps)
+        return [merge_rank_results(parts) for parts in zip(*per_rank)]
+
+    @property
+    def running_session_ids(self) -> list[str]:
+        return self._call("running_session_ids")
+
     def close(self, session_id: str) -> None:
         self._call("close", session_id)
 

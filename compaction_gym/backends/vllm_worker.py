@@ -26,7 +26,19 @@ logger = logging.getLogger(__name__)
 
 #: Engine methods and attributes the backend may reach (``compaction_gym_call``).
 CALLS = frozenset(
-    {"step_batch", "close", "fork", "compact", "session", "session_ids", "num_free_slots", "read_cache"}
+    {
+        "step_batch",
+        "submit",
+        "advance",
+        "running_session_ids",
+        "close",
+        "fork",
+        "compact",
+        "session",
+        "session_ids",
+        "num_free_slots",
+        "read_cache",
+    }
 )
 
 

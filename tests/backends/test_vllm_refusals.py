@@ -49,3 +49,27 @@ def test_without_vllm_the_backend_says_how_to_install_it():
 
     with pytest.raises(InvalidArgumentError, match=r"backend: vllm is not installed"):
         VLLMBackend("tiny-random")
+
+
+def test_the_backend_offers_every_engine_call_the_server_worker_makes():
+    """`serve --backend vllm` hands VLLMBackend to the worker as its engine: every engine
+    attribute the worker and app use must exist on it and be forwarded to the workers."""
+    import ast
+    from pathlib import Path
+
+    from compaction_gym.backends.vllm_backend import VLLMBackend
+    from compaction_gym.backends.vllm_worker import CALLS
+
+    servers = Path(__file__).resolve().parents[2] / "compaction_gym" / "servers"
+    used = set()
+    for name in ("worker.py", "app.py", "state.py"):
+        for node in ast.walk(ast.parse((servers / name).read_text())):
+            if isinstance(node, ast.Attribute) and (
+                (isinstance(node.value, ast.Attribute) and node.value.attr == "engine")
+                or (isinstance(node.value, ast.Name) and node.value.id == "engine")
+            ):
+                used.add(node.attr)
+    assert {"submit", "advance"} <= used
+    missing = {a for a in used if not hasattr(VLLMBackend, a)} - {"config", "types", "capacity", "max_slots", "vocab_size"}
+    assert not missing, missing
+    assert {"submit", "advance", "running_session_ids", "step_batch", "close"} <= CALLS
