@@ -23,6 +23,7 @@ from typing import Any
 from compaction_gym.agents.evaluate import load_backend, play
 from compaction_gym.agents.trajectory import Trajectory, jsonable
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.audit import AUDIT_FILE, audit_entries, write_audit
 from compaction_gym.leaderboard.plan import CELL_FILE
 from compaction_gym.leaderboard.record import (
@@ -36,6 +37,7 @@ from compaction_gym.leaderboard.record import (
     schema_errors,
     seal,
 )
+from compaction_gym.leaderboard.record_checks import json_close
 from compaction_gym.leaderboard.store import (
     TOKENIZER_PATTERNS,
     WEIGHT_PATTERNS,
@@ -530,6 +532,13 @@ def attach_paired(
         comp = compare(cell, record, baseline)
         if comp is not None:
             comp = {**comp, "baseline_content_sha256": baseline["content_sha256"]}
-        if comp != record.get("comparison_vs_none"):
+        stored = record.get("comparison_vs_none")
+        # unchanged up to float noise (summation order): leave the sealed record as it is
+        same = comp is None and stored is None
+        if comp is not None and stored is not None:
+            same = comp["baseline_content_sha256"] == stored.get("baseline_content_sha256") and json_close(
+                finite(comp), stored
+            )
+        if not same:
             record["comparison_vs_none"] = comp
             write_json_atomic(path, seal(record))

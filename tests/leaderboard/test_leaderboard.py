@@ -247,3 +247,24 @@ def test_wall_time_survives_an_interruption(tiny_suite_path, tiny_backend, tmp_p
     assert first > 0
     run_suite(suite, methods=["none"], output=tmp_path, backend=tiny_backend, progress=False)
     assert _record(tmp_path, "none/full")["provenance"]["wall_time_s"] > first
+
+
+def test_pairing_leaves_a_record_alone_up_to_float_noise(tiny_records, tiny_suite_path, tmp_path):
+    """Re-pairing must not re-seal committed records over last-bit differences (summation order)."""
+    from compaction_gym.leaderboard.runner import attach_comparisons
+
+    root = tmp_path / "records"
+    shutil.copytree(tiny_records, root)
+    path = root / "tiny" / "attention_matching" / "r0.5" / "submission.json"
+    rec = json.loads(path.read_text())
+    assert rec["comparison_vs_none"] is not None
+    rec["comparison_vs_none"]["mean_diff"] *= 1 + 1e-15
+    noisy = json.dumps(seal(rec))
+    path.write_text(noisy)
+    suite = load_suite(tiny_suite_path)
+    attach_comparisons(suite, root)
+    assert path.read_text() == noisy
+    rec["comparison_vs_none"]["mean_diff"] += 1.0  # a real change is written
+    path.write_text(json.dumps(seal(rec)))
+    attach_comparisons(suite, root)
+    assert json.loads(path.read_text())["comparison_vs_none"]["mean_diff"] != rec["comparison_vs_none"]["mean_diff"]
