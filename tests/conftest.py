@@ -47,3 +47,42 @@ def tiny_model(tiny_model_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     return model.eval()
+
+
+#: A tiny leaderboard suite (2 methods × 2 seeds × 2 episodes, 2-step BabyAI); ``{model}`` is the model.
+TINY_SUITE = """
+name = "tiny"
+env = "AttnMatch-BabyAI-v0"
+tasks = ["goto"]
+episodes = 2
+seeds = [0, 10]
+model = "{model}"
+prompt = "balrog"
+batch = 2
+env_kwargs = {{ max_steps = 2 }}
+reference_kv_len = 896
+
+[sampling]
+max_new_tokens = 3
+
+[[methods]]
+name = "none"
+mode = "none"
+
+[[methods]]
+name = "attention_matching"
+mode = "attention_matching"
+budgets = [{{ kv_ratio = 0.5, compact_window = 96 }}]
+"""
+
+
+@pytest.fixture(scope="session")
+def write_tiny_suite():
+    """``write(directory, model) -> path``: the tiny leaderboard suite as ``directory/tiny.toml``."""
+
+    def write(directory, model):
+        path = directory / "tiny.toml"
+        path.write_text(TINY_SUITE.format(model=model))
+        return path
+
+    return write

@@ -261,7 +261,7 @@ def test_http_api_served_from_the_vllm_backend_equals_local(pair):
     assert vb.num_free_slots == SLOTS
 
 
-def test_leaderboard_suite_runs_unchanged_on_vllm(pair, tiny_model_path, tmp_path):
+def test_leaderboard_suite_runs_unchanged_on_vllm(pair, tiny_model_path, tmp_path, write_tiny_suite):
     """The tiny leaderboard suite (tests/leaderboard) on both backends: valid records, same episodes."""
     import json
 
@@ -270,9 +270,7 @@ def test_leaderboard_suite_runs_unchanged_on_vllm(pair, tiny_model_path, tmp_pat
     vb, local = pair
     if vb.path != str(tiny_model_path):
         pytest.skip("the suite is written for the tiny model")
-    suite_file = tmp_path / "tiny.toml"
-    suite_file.write_text(LEADERBOARD_SUITE.format(model=vb.path))
-    suite = load_suite(suite_file)
+    suite = load_suite(write_tiny_suite(tmp_path, vb.path))
     trajectories = []
     for label, backend in (("vllm", vb), ("local", local)):
         run_suite(suite, output=tmp_path / label, backend=backend, progress=False)
@@ -282,33 +280,6 @@ def test_leaderboard_suite_runs_unchanged_on_vllm(pair, tiny_model_path, tmp_pat
         trajectories.append([(d["token_ids"], d["completion_mask"]) for d in map(json.loads, lines)])
     assert trajectories[0] == trajectories[1] and len(trajectories[0]) == 4
     assert vb.num_free_slots == SLOTS
-
-
-#: tests/leaderboard/conftest.py's suite (2 methods × 2 seeds × 2 episodes, 2-step BabyAI)
-LEADERBOARD_SUITE = """
-name = "tiny"
-env = "AttnMatch-BabyAI-v0"
-tasks = ["goto"]
-episodes = 2
-seeds = [0, 10]
-model = "{model}"
-prompt = "balrog"
-batch = 2
-env_kwargs = {{ max_steps = 2 }}
-reference_kv_len = 896
-
-[sampling]
-max_new_tokens = 3
-
-[[methods]]
-name = "none"
-mode = "none"
-
-[[methods]]
-name = "attention_matching"
-mode = "attention_matching"
-budgets = [{{ kv_ratio = 0.5, compact_window = 96 }}]
-"""
 
 
 @pytest.fixture(scope="module")

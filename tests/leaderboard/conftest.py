@@ -2,40 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-SUITE = """
-name = "tiny"
-env = "AttnMatch-BabyAI-v0"
-tasks = ["goto"]
-episodes = 2
-seeds = [0, 10]
-model = "{model}"
-prompt = "balrog"
-batch = 2
-env_kwargs = {{ max_steps = 2 }}
-reference_kv_len = 896
-
-[sampling]
-max_new_tokens = 3
-
-[[methods]]
-name = "none"
-mode = "none"
-
-[[methods]]
-name = "attention_matching"
-mode = "attention_matching"
-budgets = [{{ kv_ratio = 0.5, compact_window = 96 }}]
-"""
-
-
-def write_suite(directory: Path, model: str) -> Path:
-    path = directory / "tiny.toml"
-    path.write_text(SUITE.format(model=model))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +14,8 @@ def tiny_backend(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_suite_path(tiny_model_path, tmp_path_factory):
-    return write_suite(tmp_path_factory.mktemp("suite"), str(tiny_model_path))
+def tiny_suite_path(tiny_model_path, tmp_path_factory, write_tiny_suite):
+    return write_tiny_suite(tmp_path_factory.mktemp("suite"), str(tiny_model_path))
 
 
 @pytest.fixture(scope="session")
