@@ -475,10 +475,14 @@ def _cell_logger(output: str | Path, cell: Cell, done: list[dict[str, Any]]) -> 
     log_dir = tensorboard_dir(output, cell)
     if not done and log_dir.is_dir():
         shutil.rmtree(log_dir)
-    return TrajectoryLogger(log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done))
+    return TrajectoryLogger(
+        log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done)
+    )
 
 
-def _play_cell(cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable) -> None:
+def _play_cell(
+    cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable
+) -> None:
     """Play a cell's missing episodes through :func:`play`, streaming each to ``stream``."""
     play(
         cell.model,
