@@ -9,7 +9,14 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.leaderboard import load_suite
 from compaction_gym.leaderboard.suite import SUITES_DIR
 
-SHIPPED = ("babyai-balrog", "babyai-memory", "math-kv-budget", "recall")
+SHIPPED = (
+    "babyai-balrog",
+    "babyai-memory",
+    "babyai-balrog-v2",
+    "babyai-memory-v2",
+    "math-kv-budget",
+    "recall",
+)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
