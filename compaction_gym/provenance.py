@@ -10,6 +10,7 @@ from the files on disk, so it names the code that ran even where ``.git`` lags t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -128,14 +129,23 @@ def package_versions(packages: tuple[str, ...] = TRACKED_PACKAGES) -> dict[str, 
     return out
 
 
-def provenance() -> dict[str, Any]:
-    """Git revision, dirty flag, the package's source tree (on disk and at ``HEAD``), package
-    versions and platform, as one JSON-safe dict."""
+@functools.cache
+def code_identity() -> dict[str, Any]:
+    """Git revision, dirty flag and the package's source tree (on disk and at ``HEAD``), taken
+    once per process: a run calls it before it starts, so its records name the code the process
+    loaded even when files change on disk while it runs."""
     return {
         "git_revision": git_revision(),
         "git_dirty": git_dirty(),
         "source_tree": source_tree(),
         "git_source_tree": git_source_tree(),
+    }
+
+
+def provenance() -> dict[str, Any]:
+    """:func:`code_identity`, package versions and platform, as one JSON-safe dict."""
+    return {
+        **code_identity(),
         "versions": package_versions(),
         "platform": platform.platform(),
     }

@@ -99,3 +99,16 @@ def test_the_package_files_are_the_ones_git_tracks_and_hash_as_git_does(tmp_path
     assert source_tree() == _git_tree_of(PACKAGE_DIR, tmp_path)
     clean = _git(ROOT, "status", "--porcelain", "--untracked-files=all", PACKAGE_DIR.name) == ""
     assert (source_tree() == provenance.git_source_tree()) == clean
+
+
+def test_a_process_names_the_code_it_loaded_not_later_edits(monkeypatch):
+    """``code_identity`` is taken once (a run calls it before its first episode): files edited on
+    disk while the run goes on do not change the records it writes."""
+    trees = iter(["a" * 40, "b" * 40])
+    monkeypatch.setattr(provenance, "source_tree", lambda: next(trees))
+    provenance.code_identity.cache_clear()
+    try:
+        assert provenance.code_identity()["source_tree"] == "a" * 40
+        assert provenance.provenance()["source_tree"] == "a" * 40  # not "b": no second look at the disk
+    finally:
+        provenance.code_identity.cache_clear()

@@ -49,7 +49,7 @@ from compaction_gym.leaderboard.store import (
 )
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, CellBase, Suite, SuiteFile
 from compaction_gym.models.registry import resolve_model
-from compaction_gym.provenance import provenance
+from compaction_gym.provenance import code_identity, provenance
 
 
 def cell_dir(output: str | Path, cell: CellBase) -> Path:
@@ -306,6 +306,7 @@ def run_cell(
         )
     state = json.loads(cell_file.read_text())
     state.setdefault("started_at", now_iso())
+    code_identity()  # the code this process loaded, before any episode (docs/leaderboard.md, "Provenance")
     clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
 
     def save_clock() -> None:
