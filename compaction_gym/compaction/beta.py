@@ -374,13 +374,10 @@ def beta_where_it_helps(
         return ((torch.softmax(s_c, dim=-1) @ v_c - ref[:, probes]) ** 2).sum((-1, -2))
 
     better = error(beta) < error(old)
-    n = logits.shape[1]
+    probe = torch.arange(logits.shape[1], device=logits.device)
     crossed = torch.zeros_like(better, dtype=dtype)
-    for k in range(min(CV_FOLDS, n)):
-        judge_on = torch.arange(k, n, CV_FOLDS, device=logits.device)
-        fit_on = torch.tensor(
-            [i for i in range(n) if i % CV_FOLDS != k], dtype=torch.long, device=logits.device
-        )
+    for k in range(min(CV_FOLDS, len(probe))):
+        judge_on, fit_on = probe[probe % CV_FOLDS == k], probe[probe % CV_FOLDS != k]
         fold_beta = beta_from_logits(logits[:, fit_on], span, indices, key_bias).to(beta.dtype)
         crossed = crossed + error(fold_beta, judge_on) - error(old, judge_on)
     return torch.where((better & (crossed < 0))[:, None], beta, old)
