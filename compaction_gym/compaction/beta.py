@@ -338,10 +338,10 @@ def beta_where_it_helps(
     For kept (not refitted) values: the probes' full-cache attention output ``softmax(S) V`` is
     compared with the compacted cache's (``[prefix | kept rows with bias b | suffix]``, original
     values) for ``b = beta`` and ``b = old_beta`` (``0`` without one). A row keeps ``beta`` only
-    if its mean squared error is lower both on the probes ``beta`` was fitted to and
-    **cross-fitted**: β fitted on the even probes judged on the odd ones and vice versa (the same
-    regularised fit, probe guard included), so a fit that only matches its own probes does not
-    pass (docs/compaction.md, "Kept values").
+    if its squared error is lower on the probes ``beta`` was fitted to and, **cross-fitted**, on
+    every one of ``CV_FOLDS`` folds (probes ``i ≡ k mod CV_FOLDS``) with β fitted on the other
+    folds' probes (the same regularised fit, probe guard included): a fit that only matches its
+    own probes does not pass (docs/compaction.md, "Kept values").
 
     Args:
         raw, logits: ``[B, n, T]`` unbiased and biased logits (:func:`~compaction_gym.compaction.scoring.attention_logits`).
@@ -375,9 +375,9 @@ def beta_where_it_helps(
 
     better = error(beta) < error(old)
     probe = torch.arange(logits.shape[1], device=logits.device)
-    crossed = torch.zeros_like(better, dtype=dtype)
+    ok = better.clone()
     for k in range(min(CV_FOLDS, len(probe))):
         judge_on, fit_on = probe[probe % CV_FOLDS == k], probe[probe % CV_FOLDS != k]
         fold_beta = beta_from_logits(logits[:, fit_on], span, indices, key_bias).to(beta.dtype)
-        crossed = crossed + error(fold_beta, judge_on) - error(old, judge_on)
-    return torch.where((better & (crossed < 0))[:, None], beta, old)
+        ok = ok & (error(fold_beta, judge_on) < error(old, judge_on))
+    return torch.where(ok[:, None], beta, old)
