@@ -106,6 +106,8 @@ class MathEnv(gym.Env[str, str]):
     ## Arguments
     * ``dataset``: reasoning-gym dataset name (default ``"basic_arithmetic"``).
     * ``config``: that dataset's config fields (e.g. ``{"min_terms": 3}``).
+    * ``configs``: dataset name → config; the entry of ``dataset``, if any, is its config (one
+      ``env_kwargs`` for a suite whose tasks are datasets with different config fields).
     * ``dataset_seed``: reasoning-gym seed; items are a pure function of (seed, index).
     * ``size``: indices drawn from ``[0, size)``; ``reset(options={"index": i})`` picks one.
     * ``require_answer_tag``: if ``False``, a response with no tag is read by ``answer_fallback``.
@@ -116,8 +118,8 @@ class MathEnv(gym.Env[str, str]):
     * ``max_text_length``: ``max_length`` of the two ``Text`` spaces.
 
     ## Version History
-    * v0: initial release; ``answer_fallback`` and ``instruction`` added later (their defaults keep
-      the original behaviour).
+    * v0: initial release; ``configs``, ``answer_fallback`` and ``instruction`` added later (their
+      defaults keep the original behaviour).
     """
 
     metadata = {"render_modes": []}
@@ -127,6 +129,7 @@ class MathEnv(gym.Env[str, str]):
         dataset: str = "basic_arithmetic",
         config: Mapping[str, Any] | None = None,
         *,
+        configs: Mapping[str, Mapping[str, Any]] | None = None,
         dataset_seed: int = 0,
         size: int = 100_000,
         require_answer_tag: bool = True,
@@ -136,6 +139,12 @@ class MathEnv(gym.Env[str, str]):
     ) -> None:
         self._check_common(dataset_seed, size)
         self._set_answering(require_answer_tag, answer_fallback, instruction)
+        if configs is not None and not isinstance(configs, Mapping):
+            raise InvalidArgumentError(f"configs must map dataset names to configs, got {configs!r}")
+        if configs and dataset in configs:
+            if config is not None:
+                raise InvalidArgumentError(f"give dataset {dataset!r} a config in config= or configs=, not both")
+            config = configs[dataset]
         self.datasets = {dataset: make_dataset(dataset, config, dataset_seed, size)}
         self.size = size
         self.observation_space = text_space(max_text_length)

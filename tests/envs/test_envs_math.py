@@ -108,6 +108,26 @@ def test_step_by_step_instruction_replaces_the_answer_instruction():
     assert mixed.endswith(STEP_BY_STEP_INSTRUCTION)
 
 
+def test_configs_give_each_dataset_its_own_config():
+    configs = {
+        "chain_sum": EASY_SUM,
+        "basic_arithmetic": {"operators": ["+"], "min_terms": 3, "max_terms": 3},
+    }
+    chain = MathEnv("chain_sum", configs=configs)
+    assert chain.reset(seed=0)[0] == MathEnv("chain_sum", EASY_SUM).reset(seed=0)[0]
+    basic = MathEnv("basic_arithmetic", configs=configs)
+    _, info = basic.reset(seed=0)
+    assert (
+        info["question"]
+        == MathEnv("basic_arithmetic", configs["basic_arithmetic"]).reset(seed=0)[1]["question"]
+    )
+    assert (
+        MathEnv("leg_counting", configs=configs).datasets["leg_counting"].config.min_animals == 3
+    )  # its defaults
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        MathEnv("chain_sum", EASY_SUM, configs=configs)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
