@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 
 import gymnasium as gym
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import compaction_gym  # noqa: F401  (registers the ids)
 from compaction_gym.envs.math import (
@@ -96,6 +98,24 @@ def test_last_number_fallback_scores_the_last_number_written():
     tagged = MathEnv("chain_sum", EASY_SUM, answer_fallback="last_number")  # tag required: no fallback
     tagged.reset(seed=3)
     assert tagged.step(f"the sum is {answer}")[1] == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet=st.characters(blacklist_categories=("Nd",), blacklist_characters="<>-."), max_size=40),
+    st.lists(st.integers(-10_000, 10_000), max_size=3),
+    st.integers(-10_000, 10_000),
+    st.text(alphabet=st.characters(blacklist_categories=("Nd",), blacklist_characters="<>-."), max_size=10),
+)
+def test_last_number_is_the_last_integer_written(prefix, earlier, last, suffix):
+    """Whatever words and numbers come first, the fallback reads the last integer written, and the
+    env's score of the response is reasoning-gym's score of that integer."""
+    env = MathEnv("chain_sum", EASY_SUM, require_answer_tag=False, answer_fallback="last_number")
+    text = prefix + " " + " ".join(map(str, earlier)) + " " + str(last) + suffix
+    assert env.extract(text) == str(last)
+    _, info = env.reset(seed=7)
+    entry = env.datasets["chain_sum"][info["index"]]
+    assert env.step(text)[1] == env.datasets["chain_sum"].score_answer(str(last), entry)
 
 
 def test_step_by_step_instruction_replaces_the_answer_instruction():
