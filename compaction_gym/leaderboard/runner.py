@@ -49,7 +49,7 @@ from compaction_gym.leaderboard.store import (
 )
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, CellBase, Suite, SuiteFile
 from compaction_gym.models.registry import resolve_model
-from compaction_gym.provenance import provenance
+from compaction_gym.provenance import code_identity, provenance
 
 
 def cell_dir(output: str | Path, cell: CellBase) -> Path:
@@ -306,6 +306,7 @@ def run_cell(
         )
     state = json.loads(cell_file.read_text())
     state.setdefault("started_at", now_iso())
+    code_identity()  # the code this process loaded, before any episode (docs/leaderboard.md, "Provenance")
     clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
 
     def save_clock() -> None:
@@ -484,10 +485,14 @@ def _cell_logger(output: str | Path, cell: Cell, done: list[dict[str, Any]]) -> 
     log_dir = tensorboard_dir(output, cell)
     if not done and log_dir.is_dir():
         shutil.rmtree(log_dir)
-    return TrajectoryLogger(log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done))
+    return TrajectoryLogger(
+        log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done)
+    )
 
 
-def _play_cell(cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable) -> None:
+def _play_cell(
+    cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable
+) -> None:
     """Play a cell's missing episodes through :func:`play`, streaming each to ``stream``."""
     play(
         cell.model,

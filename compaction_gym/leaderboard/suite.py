@@ -286,6 +286,10 @@ def _budget(where: str, spec: dict[str, Any], reference: int | None) -> Budget:
     window = spec.get("compact_window")
     if window is None:
         window = max(1, int(max_kv * float(spec.get("window_fraction", 0.5))))
+    elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window < max_kv:
+        raise InvalidArgumentError(
+            f"{where}: compact_window must be an integer in [1, max_kv_len = {max_kv}), got {window!r}"
+        )
     return Budget(label, max_kv, float(ratio) if ratio is not None else None, int(window))
 
 
