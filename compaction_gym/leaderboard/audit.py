@@ -31,6 +31,9 @@ EVENT_FIELDS = (
     "logical_len",
     "probe_logical_range",
 )
+#: Kept too where an event has them: the session an RSA member's event fired in, and that session's
+#: protected prompt (``leaderboard.rsa_cells``; absent from episode trajectories, so their audits are unchanged).
+SESSION_FIELDS = ("session", "session_prompt_len")
 
 
 def audit_entry(d: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +49,10 @@ def audit_entry(d: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
             for t in d.get("turns", [])
             if isinstance(t, dict) and "input_range" in t
         ],
-        "events": [{k: ev.get(k) for k in EVENT_FIELDS} for ev in d.get("events", [])],
+        "events": [
+            {k: ev.get(k) for k in EVENT_FIELDS} | {k: ev[k] for k in SESSION_FIELDS if k in ev}
+            for ev in d.get("events", [])
+        ],
     }
 
 

@@ -314,7 +314,8 @@ def run_cell(
         state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
         write_json_atomic(cell_file, state)
 
-    tb = _cell_logger(output, cell, done) if tensorboard and missing and cell.trainer is None else None
+    episodic = cell.trainer is None and cell.rsa is None  # played as env episodes by the engine
+    tb = _cell_logger(output, cell, done) if tensorboard and missing and episodic else None
     if missing:
         log_line(
             log, f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}"
@@ -332,6 +333,14 @@ def run_cell(
             from compaction_gym.leaderboard import sb3
 
             sb3.play_cell(cell, plan, directory, lambda d: write(d, d), lambda m: log_line(log, m))
+        elif cell.rsa is not None:
+            from compaction_gym.leaderboard import rsa_cells
+
+            def write_rsa(line: dict[str, Any]) -> None:
+                line = rsa_cells.with_seed(line, cell.run_seed(int(line["seed"])))
+                write(line, line)
+
+            rsa_cells.play_cell(cell, plan, backend, write_rsa)
         else:
 
             def stream(_label: str, traj: Trajectory) -> None:
