@@ -2,10 +2,13 @@
 # Run leaderboard suites on the GPU machine in time-limited, resumable chunks (docs/leaderboard.md,
 # "Running in parallel"). Run from the repository root on the device:
 #
-#   SUITES="babyai-balrog" JOBS=16 T=500 bash benchmarks/leaderboard/gpu_run.sh [extra `run` flags]
+#   SUITES="babyai-balrog-v2" JOBS=16 T=500 bash benchmarks/leaderboard/gpu_run.sh [extra `run` flags]
 #
-# SUITES  suites to run, one after the other, sharing the T seconds (default babyai-balrog;
-#         SUITES= runs none: a call that only installs wheels or collects .carry parts)
+# SUITES  suites to run, one after the other, sharing the T seconds (default the v2 BabyAI suites,
+#         babyai-balrog-v2 babyai-memory-v2: docs/leaderboard.md, "Suite versions"; the v1 files
+#         only back their committed records; SUITES= runs none: a call that only installs wheels or
+#         collects .carry parts). Extra flags go to every suite's `run` (e.g. --methods ... to
+#         leave sb3_ppo, a CPU-trained row, to the CPU)
 # JOBS    worker processes sharing the GPU (default 16: one per CPU core)
 # T       seconds of running before the workers are stopped; finished episodes stay in $REC
 # REC     records root (default /tmp/records: it survives between calls while the machine is warm)
@@ -18,7 +21,7 @@
 # in /tmp/smol; the wheel is installed once SMOL_PARTS parts are there); for sb3_ppo the
 # stable-baselines3 wheel in .whl (cloudpickle is on the machine).
 set -u
-SUITES=${SUITES-babyai-balrog}
+SUITES=${SUITES-babyai-balrog-v2 babyai-memory-v2}
 JOBS=${JOBS:-16}
 T=${T:-500}
 REC=${REC:-/tmp/records}

@@ -97,14 +97,30 @@ class RSACompute:
 
 
 @dataclass
+class MemberResult:
+    """One member's generation: its session's shared prefix (the protected prompt), its own input,
+    what it sampled, its cache after the response and at its largest, and its compaction events."""
+
+    round: int
+    index: int
+    prompt_len: int  #: the shared prefix it forked from
+    input_len: int  #: its own part, fed after the fork
+    generated: int
+    kv_len: int
+    peak_kv_len: int  #: the largest cache during the call (before any compaction)
+    events: list[Any] = field(default_factory=list)
+
+
+@dataclass
 class RSARun:
     """One question's RSA: every population (``populations[0]`` is the initial one) and the
     subsets each round showed (``subsets[r - 1][i]``: population ``r - 1`` indices behind member
-    ``i`` of population ``r``)."""
+    ``i`` of population ``r``); ``members`` lists every member's generation, round by round."""
 
     populations: list[list[str]]
     subsets: list[list[list[int]]]
     compute: RSACompute
+    members: list[MemberResult] = field(default_factory=list)
 
 
 def aggregation_prompt(question: str, solutions: Sequence[str]) -> tuple[str, str]:
@@ -155,7 +171,8 @@ class RSA:
         """The initial population and ``T`` aggregation rounds for ``question``."""
         compute = RSACompute()
         shared, rest = self.encode_prompt(question, "")
-        population = self._generate(shared, [rest] * self.cfg.population, 0, compute)
+        members: list[MemberResult] = []
+        population = self._generate(shared, [rest] * self.cfg.population, 0, compute, members)
         populations, subsets = [population], []
         for r in range(1, self.cfg.rounds + 1):
             chosen = choose_subsets(self.cfg, r)
@@ -163,12 +180,19 @@ class RSA:
             encoded = [self.encode_prompt(p, m) for p, m in parts]
             shared = encoded[0][0]
             assert all(e[0] == shared for e in encoded), "the aggregation prefix must be shared"
-            population = self._generate(shared, [e[1] for e in encoded], r, compute)
+            population = self._generate(shared, [e[1] for e in encoded], r, compute, members)
             populations.append(population)
             subsets.append(chosen)
-        return RSARun(populations, subsets, compute)
+        return RSARun(populations, subsets, compute, members)
 
-    def _generate(self, shared: list[int], parts: list[list[int]], round_: int, compute: RSACompute) -> list[str]:
+    def _generate(
+        self,
+        shared: list[int],
+        parts: list[list[int]],
+        round_: int,
+        compute: RSACompute,
+        members: list[MemberResult],
+    ) -> list[str]:
         """One population: prefill ``shared`` once, fork it per member, feed each member's part
         and sample (each member its own seed); members run in groups that fit the free slots."""
         eng = self.engine
@@ -188,7 +212,14 @@ class RSA:
                 finally:
                     for sid in ids:
                         eng.close(sid)
-                for p, res in zip(parts[lo : lo + group], results):
+                for i, (p, res) in enumerate(zip(parts[lo : lo + group], results)):
+                    peak = max([res.kv_len, *(e.kv_len_before for e in res.events)])
+                    members.append(
+                        MemberResult(
+                            round_, lo + i, len(shared), len(p), sum(res.completion_mask), res.kv_len, peak,
+                            list(res.events),
+                        )
+                    )  # fmt: skip
                     texts.append(self._text(res))
                     compute.generated += sum(res.completion_mask)
                     compute.prefilled += len(p)

@@ -261,7 +261,9 @@ def compact(
     beta = beta_from_logits(logits, span, indices, key_bias) if compute_beta else None
     if not refit_values:
         if compute_beta:  # kept values: β only where it lowers the probes' output error
-            beta = beta_where_it_helps(raw, logits, values, span, indices, beta, old_beta)
-        return CompactionResult(kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices)
+            beta = beta_where_it_helps(raw, logits, values, span, indices, beta, old_beta, key_bias)
+        return CompactionResult(
+            kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices
+        )
     fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)

@@ -25,6 +25,8 @@ BETA_RIDGE = 1e-4
 #: Default probe guard: rows with fewer than this many probes per kept key (``n < ratio · t``) keep
 #: ``w = 1``: below it the span-mass fit is under-determined and hurt held-out attention.
 BETA_MIN_PROBES_PER_KEY = 1.0
+#: Folds of the cross-fitted check of β with kept values (:func:`beta_where_it_helps`).
+CV_FOLDS = 4
 _EPS_ACTIVE = 1e-3  # cap of the ε-active threshold (in Jacobi-scaled units)
 _DAMPINGS = (1e-10, 1e-6, 1e-3, 1e-1)
 _STEPS = 12  # backtracking step lengths 1, 1/2, ..., 2^-11 tried at once
@@ -176,12 +178,19 @@ def _check_regularisation(
     if bounds is not None:
         if not (isinstance(bounds, tuple | list) and len(bounds) == 2):
             raise InvalidArgumentError(f"bounds must be None or a (low, high) pair of floats, got {bounds!r}")
-        low, high = (float(x) if isinstance(x, int | float) and not isinstance(x, bool) else math.nan for x in bounds)
+        low, high = (
+            float(x) if isinstance(x, int | float) and not isinstance(x, bool) else math.nan for x in bounds
+        )
         if not (math.isfinite(low) and math.isfinite(high) and low <= 0 <= high):
             raise InvalidArgumentError(f"bounds must be finite with low <= 0 <= high, got {bounds!r}")
         bounds = (low, high)
     for name, value in (("ridge", ridge), ("min_probes_per_key", min_probes_per_key)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise InvalidArgumentError(f"{name} must be a finite float >= 0, got {value!r}")
     return bounds, float(ridge), float(min_probes_per_key)
 
@@ -211,7 +220,9 @@ def beta_weights(
     return keep_if_better(w, gram, rhs)
 
 
-def regularised_system(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+def regularised_system(
+    gram: torch.Tensor, rhs: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(AᵀA + ρI, Aᵀ1 + ρ1)``, ``ρ = ridge · trace(AᵀA) / t``: the normal equations of
     ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path)."""
     t = gram.shape[-1]
@@ -244,7 +255,9 @@ def beta_from_logits(
 ) -> torch.Tensor:
     """Absolute β ``[B, t]`` for already validated inputs; ``logits`` include ``key_bias``."""
     design, _ = mass_matching_system(logits.to(C.SOLVE_DTYPE), span, indices)
-    w = beta_weights(design, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key).to(logits.dtype)
+    w = beta_weights(design, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key).to(
+        logits.dtype
+    )
     beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
     if key_bias is not None:  # the design already carries the old bias: β is relative to it
         beta = beta + torch.gather(key_bias.to(beta.dtype), 1, indices)
@@ -318,18 +331,23 @@ def beta_where_it_helps(
     indices: torch.Tensor,
     beta: torch.Tensor,
     old_beta: torch.Tensor | None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row, the fitted ``beta`` where it lowers the probes' attention-output error, else the old bias.
 
     For kept (not refitted) values: the probes' full-cache attention output ``softmax(S) V`` is
     compared with the compacted cache's (``[prefix | kept rows with bias b | suffix]``, original
-    values) for ``b = beta`` and ``b = old_beta`` (``0`` without one); rows whose mean squared
-    error is not lower with ``beta`` keep the old bias (docs/compaction.md, "Kept values").
+    values) for ``b = beta`` and ``b = old_beta`` (``0`` without one). A row keeps ``beta`` only
+    if its squared error is lower on the probes ``beta`` was fitted to and, **cross-fitted**, on
+    every one of ``CV_FOLDS`` folds (probes ``i ≡ k mod CV_FOLDS``) with β fitted on the other
+    folds' probes (the same regularised fit, probe guard included): a fit that only matches its
+    own probes does not pass (docs/compaction.md, "Kept values").
 
     Args:
         raw, logits: ``[B, n, T]`` unbiased and biased logits (:func:`~compaction_gym.compaction.scoring.attention_logits`).
         values: ``[B, T, d_v]``. span: ``(s, e)``. indices: kept rows ``[B, t]``.
         beta: fitted absolute β ``[B, t]``. old_beta: the kept rows' stored bias ``[B, t]`` or ``None``.
+        key_bias: the cache's bias ``[B, T]`` (what ``logits`` include) or ``None``, for the folds' fits.
 
     Returns:
         ``[B, t]`` in ``beta``'s dtype.
@@ -343,9 +361,23 @@ def beta_where_it_helps(
     v_c = torch.cat([v[:, :start], kept_v, v[:, end:]], dim=1)
     old = torch.zeros_like(beta) if old_beta is None else old_beta.to(beta.dtype)
 
-    def error(bias: torch.Tensor) -> torch.Tensor:
-        s_c = torch.cat([logits[:, :, :start], kept_raw + bias.to(dtype)[:, None, :], logits[:, :, end:]], dim=2)
-        return ((torch.softmax(s_c, dim=-1) @ v_c - ref) ** 2).sum(-1).mean(-1)  # [B]
+    def error(bias: torch.Tensor, probes: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Summed squared output error ``[B]`` of ``probes`` with ``bias`` on the kept rows."""
+        s_c = torch.cat(
+            [
+                logits[:, probes, :start],
+                kept_raw[:, probes] + bias.to(dtype)[:, None, :],
+                logits[:, probes, end:],
+            ],
+            dim=2,
+        )
+        return ((torch.softmax(s_c, dim=-1) @ v_c - ref[:, probes]) ** 2).sum((-1, -2))
 
     better = error(beta) < error(old)
-    return torch.where(better[:, None], beta, old)
+    probe = torch.arange(logits.shape[1], device=logits.device)
+    ok = better.clone()
+    for k in range(min(CV_FOLDS, len(probe))):
+        judge_on, fit_on = probe[probe % CV_FOLDS == k], probe[probe % CV_FOLDS != k]
+        fold_beta = beta_from_logits(logits[:, fit_on], span, indices, key_bias).to(beta.dtype)
+        ok = ok & (error(fold_beta, judge_on) < error(old, judge_on))
+    return torch.where(ok[:, None], beta, old)

@@ -20,7 +20,18 @@ from compaction_gym.errors import InvalidArgumentError, require
 
 #: Appended to every question.
 ANSWER_INSTRUCTION = "\n\nGive your final answer between <answer> and </answer> tags."
+#: Appended instead with ``instruction="step_by_step"``: asks for the working first, so that a small
+#: model writes long answers (the math-kv-budget suite, docs/leaderboard.md).
+STEP_BY_STEP_INSTRUCTION = (
+    "\n\nThink step by step, then give your final answer between <answer> and </answer> tags."
+)
+#: ``instruction=`` presets: the text appended to every question.
+INSTRUCTIONS = {"tag": ANSWER_INSTRUCTION, "step_by_step": STEP_BY_STEP_INSTRUCTION}
+#: How a response without an ``<answer>`` tag is read when ``require_answer_tag=False``: the whole
+#: stripped text, or its last number (for small models that ignore the tag instruction).
+ANSWER_FALLBACKS = ("text", "last_number")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 #: The original research code's RG mix: dataset name → reasoning-gym config (field names of its config dataclasses).
 RGMIX_CONFIGS: dict[str, dict[str, Any]] = {
@@ -44,6 +55,12 @@ def extract_answer(text: str) -> str | None:
     """The stripped content of the last ``<answer>…</answer>`` tag of ``text``, or ``None``."""
     found = _ANSWER.findall(text)
     return found[-1].strip() if found else None
+
+
+def last_number(text: str) -> str | None:
+    """The last number (``-?digits[.digits]``) written in ``text``, or ``None``."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
 
 
 def make_dataset(name: str, config: Mapping[str, Any] | None, seed: int, size: int) -> Any:
@@ -89,13 +106,20 @@ class MathEnv(gym.Env[str, str]):
     ## Arguments
     * ``dataset``: reasoning-gym dataset name (default ``"basic_arithmetic"``).
     * ``config``: that dataset's config fields (e.g. ``{"min_terms": 3}``).
+    * ``configs``: dataset name → config; the entry of ``dataset``, if any, is its config (one
+      ``env_kwargs`` for a suite whose tasks are datasets with different config fields).
     * ``dataset_seed``: reasoning-gym seed; items are a pure function of (seed, index).
     * ``size``: indices drawn from ``[0, size)``; ``reset(options={"index": i})`` picks one.
-    * ``require_answer_tag``: if ``False``, a response with no tag is scored as a whole.
+    * ``require_answer_tag``: if ``False``, a response with no tag is read by ``answer_fallback``.
+    * ``answer_fallback``: ``"text"`` (the whole stripped response) or ``"last_number"`` (its last
+      number; no number: no answer), for a response without a tag when the tag is not required.
+    * ``instruction``: what follows the question, a key of :data:`INSTRUCTIONS` (``"tag"``: only
+      the answer-tag request; ``"step_by_step"``: think step by step first).
     * ``max_text_length``: ``max_length`` of the two ``Text`` spaces.
 
     ## Version History
-    * v0: initial release.
+    * v0: initial release; ``configs``, ``answer_fallback`` and ``instruction`` added later (their
+      defaults keep the original behaviour).
     """
 
     metadata = {"render_modes": []}
@@ -105,19 +129,49 @@ class MathEnv(gym.Env[str, str]):
         dataset: str = "basic_arithmetic",
         config: Mapping[str, Any] | None = None,
         *,
+        configs: Mapping[str, Mapping[str, Any]] | None = None,
         dataset_seed: int = 0,
         size: int = 100_000,
         require_answer_tag: bool = True,
+        answer_fallback: str = "text",
+        instruction: str = "tag",
         max_text_length: int = 32_768,
     ) -> None:
         self._check_common(dataset_seed, size)
+        self._set_answering(require_answer_tag, answer_fallback, instruction)
+        if configs is not None and not isinstance(configs, Mapping):
+            raise InvalidArgumentError(f"configs must map dataset names to configs, got {configs!r}")
+        if configs and dataset in configs:
+            if config is not None:
+                raise InvalidArgumentError(f"give dataset {dataset!r} a config in config= or configs=, not both")
+            config = configs[dataset]
         self.datasets = {dataset: make_dataset(dataset, config, dataset_seed, size)}
         self.size = size
-        self.require_answer_tag = bool(require_answer_tag)
         self.observation_space = text_space(max_text_length)
         self.action_space = text_space(max_text_length)
         self._item: dict[str, Any] | None = None
         self._name = dataset
+
+    def _set_answering(self, require_answer_tag: bool, answer_fallback: str, instruction: str) -> None:
+        if answer_fallback not in ANSWER_FALLBACKS:
+            raise InvalidArgumentError(
+                f"answer_fallback must be one of {ANSWER_FALLBACKS}, got {answer_fallback!r}"
+            )
+        if instruction not in INSTRUCTIONS:
+            raise InvalidArgumentError(
+                f"instruction must be one of {list(INSTRUCTIONS)}, got {instruction!r}"
+            )
+        self.require_answer_tag = bool(require_answer_tag)
+        self.answer_fallback = answer_fallback
+        self.instruction = INSTRUCTIONS[instruction]
+
+    def extract(self, response: str) -> str | None:
+        """The answer the env scores in ``response``: the last ``<answer>`` tag; without one, ``None``
+        if the tag is required, else the stripped text or its last number (``answer_fallback``)."""
+        found = extract_answer(response)
+        if found is not None or self.require_answer_tag:
+            return found
+        return response.strip() if self.answer_fallback == "text" else last_number(response)
 
     @staticmethod
     def _check_common(dataset_seed: int, size: int) -> None:
@@ -149,7 +203,7 @@ class MathEnv(gym.Env[str, str]):
             index = int(self.np_random.integers(self.size))
         item = self.datasets[name][index]
         self._item = {"dataset": name, "index": index, "entry": item}
-        return item["question"] + ANSWER_INSTRUCTION, self._info()
+        return item["question"] + self.instruction, self._info()
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self._item is None:
@@ -158,12 +212,14 @@ class MathEnv(gym.Env[str, str]):
             raise InvalidArgumentError(
                 f"action must be a str (the model's response), got {type(action).__name__}"
             )
-        extracted = extract_answer(action)
-        if extracted is None and not self.require_answer_tag:
-            extracted = action.strip()
+        extracted = self.extract(action)
         score, error = 0.0, None
         if extracted is None:
-            error = "no <answer>...</answer> tag in the response"
+            error = (
+                "no <answer>...</answer> tag in the response"
+                if self.require_answer_tag or self.answer_fallback == "text"
+                else "no <answer>...</answer> tag and no number in the response"
+            )
         else:
             try:
                 score = float(
@@ -201,7 +257,8 @@ class RGMixEnv(MathEnv):
     * ``weights``: dataset name → weight (default uniform); names missing get weight 0 when
       ``weights`` is given, so ``{"countdown": 1}`` is countdown only.
     * ``configs``: dataset name → config overriding :data:`RGMIX_CONFIGS` for that dataset.
-    * ``dataset_seed``, ``size``, ``require_answer_tag``, ``max_text_length``: as :class:`MathEnv`.
+    * ``dataset_seed``, ``size``, ``require_answer_tag``, ``answer_fallback``, ``instruction``,
+      ``max_text_length``: as :class:`MathEnv`.
 
     ## Version History
     * v0: initial release.
@@ -215,9 +272,12 @@ class RGMixEnv(MathEnv):
         dataset_seed: int = 0,
         size: int = 100_000,
         require_answer_tag: bool = True,
+        answer_fallback: str = "text",
+        instruction: str = "tag",
         max_text_length: int = 32_768,
     ) -> None:
         self._check_common(dataset_seed, size)
+        self._set_answering(require_answer_tag, answer_fallback, instruction)
         configs = dict(configs or {})
         unknown = sorted(set(weights or {}).union(configs) - set(RGMIX_CONFIGS))
         if unknown:
@@ -238,7 +298,6 @@ class RGMixEnv(MathEnv):
             for name in self.weights
         }
         self.size = size
-        self.require_answer_tag = bool(require_answer_tag)
         self.observation_space = text_space(max_text_length)
         self.action_space = text_space(max_text_length)
         self._item = None

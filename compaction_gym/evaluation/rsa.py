@@ -67,6 +67,7 @@ def plain_at_tokens(
     base = plain_config(cfg)
     for b in range(MAX_PLAIN_BATCHES):
         run = RSA(engine, replace(base, seed=derive(cfg.seed, 1_000_000 + b)), compaction=compaction, sampling=sampling).run(question)
+        total.members.extend(replace(m, index=len(texts) + m.index) for m in run.members)
         texts.extend(run.populations[0])
         total.compute.add(run.compute)
         if total.compute.generated >= target:
@@ -86,14 +87,13 @@ def env_scorer(env: gym.Env, info: dict[str, Any], answer_format: str = "tag") -
 
 
 def answer_extractor(env: gym.Env, answer_format: str = "tag") -> Callable[[str], str | None]:
-    """The answer the env scores: the last ``<answer>`` tag (of the text after :func:`normalise`), or
-    the stripped text when the env does not require the tag (``require_answer_tag=False``)."""
-    required = getattr(env.unwrapped, "require_answer_tag", True)
+    """The answer the env scores in the text after :func:`normalise`: the env's own reading
+    (``MathEnv.extract``: the last ``<answer>`` tag, else its ``answer_fallback`` when the tag is
+    not required)."""
+    read = env.unwrapped.extract
 
     def extract(text: str) -> str | None:
-        text = normalise(text, answer_format)
-        found = extract_answer(text)
-        return found if found is not None or required else text.strip()
+        return read(normalise(text, answer_format))
 
     return extract
 

@@ -22,8 +22,18 @@ from compaction_gym.leaderboard.record import episode_rows
 AUDIT_FILE = "audit.jsonl.gz"
 
 #: Event fields the causality checks read (``compliance.event_failures``).
-EVENT_FIELDS = ("index", "span", "logical_span", "kv_len_before", "kv_len_after", "logical_len",
-                "probe_logical_range")
+EVENT_FIELDS = (
+    "index",
+    "span",
+    "logical_span",
+    "kv_len_before",
+    "kv_len_after",
+    "logical_len",
+    "probe_logical_range",
+)
+#: Kept too where an event has them: the session an RSA member's event fired in, and that session's
+#: protected prompt (``leaderboard.rsa_cells``; absent from episode trajectories, so their audits are unchanged).
+SESSION_FIELDS = ("session", "session_prompt_len")
 
 
 def audit_entry(d: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -39,11 +49,16 @@ def audit_entry(d: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
             for t in d.get("turns", [])
             if isinstance(t, dict) and "input_range" in t
         ],
-        "events": [{k: ev.get(k) for k in EVENT_FIELDS} for ev in d.get("events", [])],
+        "events": [
+            {k: ev.get(k) for k in EVENT_FIELDS} | {k: ev[k] for k in SESSION_FIELDS if k in ev}
+            for ev in d.get("events", [])
+        ],
     }
 
 
-def audit_entries(trajectories: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def audit_entries(
+    trajectories: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
     return [audit_entry(d, row) for d, row in zip(trajectories, rows, strict=True)]
 
 
@@ -58,7 +73,9 @@ def write_audit(path: str | Path, entries: Sequence[dict[str, Any]]) -> None:
 
 
 def read_audit(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in gzip.decompress(Path(path).read_bytes()).decode().splitlines() if line]
+    return [
+        json.loads(line) for line in gzip.decompress(Path(path).read_bytes()).decode().splitlines() if line
+    ]
 
 
 def row_failures(entry: dict[str, Any]) -> list[str]:
@@ -66,7 +83,11 @@ def row_failures(entry: dict[str, Any]) -> list[str]:
     row, out = entry["row"], []
     where = f"env_seed {entry['seed']}"
     if row.get("peak_kv") is None:  # no KV cache (sb3): nothing to cross-check but the seed
-        return [f"{where}: row env_seed {row['env_seed']} != the episode's seed"] if row["env_seed"] != entry["seed"] else []
+        return (
+            [f"{where}: row env_seed {row['env_seed']} != the episode's seed"]
+            if row["env_seed"] != entry["seed"]
+            else []
+        )
     peak = max([entry["prompt_len"], *(t["peak_kv_len"] for t in entry["turns"])])
     if row["peak_kv"] != peak:
         out.append(f"{where}: row peak_kv {row['peak_kv']} != the turns' peak {peak}")

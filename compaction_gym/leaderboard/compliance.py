@@ -78,11 +78,15 @@ def kv_failures(trajs: list[dict[str, Any]], max_kv_len: int | None) -> list[str
 
 
 def event_failures(trajs: list[dict[str, Any]], protect_prompt: bool) -> list[str]:
-    """Compaction events that reach past the context they fired in (or before the protected prompt)."""
+    """Compaction events that reach past the context they fired in (or before the protected prompt).
+
+    An RSA question's events carry their member's ``session`` and its protected ``session_prompt_len``:
+    each session is checked on its own (``leaderboard.rsa_cells``)."""
     out = []
     for d in trajs:
-        last = 0
+        last: dict[Any, int] = {}
         for ev in d.get("events", []):
+            session, prompt_len = ev.get("session"), ev.get("session_prompt_len", d["prompt_len"])
             where = f"env_seed {d['seed']} event {ev['index']}"
             s0, s1 = ev["span"]
             l0, l1 = ev["logical_span"]
@@ -97,13 +101,13 @@ def event_failures(trajs: list[dict[str, Any]], protect_prompt: bool) -> list[st
                 out.append(f"{where}: probes {probe} come from beyond the context ({ev['logical_len']})")
             if ev["kv_len_after"] > ev["kv_len_before"]:
                 out.append(f"{where}: the cache grew ({ev['kv_len_before']} -> {ev['kv_len_after']})")
-            if ev["logical_len"] < last:
-                out.append(f"{where}: fired at {ev['logical_len']}, before the previous event ({last})")
-            if protect_prompt and l0 < d["prompt_len"]:
+            if ev["logical_len"] < last.get(session, 0):
                 out.append(
-                    f"{where}: compacted the protected prompt (logical start {l0} < {d['prompt_len']})"
+                    f"{where}: fired at {ev['logical_len']}, before the previous event ({last[session]})"
                 )
-            last = ev["logical_len"]
+            if protect_prompt and l0 < prompt_len:
+                out.append(f"{where}: compacted the protected prompt (logical start {l0} < {prompt_len})")
+            last[session] = ev["logical_len"]
     return out
 
 

@@ -43,6 +43,7 @@ from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT
 from compaction_gym.lmeval.mixer import MIXERS, mix_stream
 from compaction_gym.lmeval.scoring import Cell as ScoreCell
 from compaction_gym.lmeval.scoring import CellResult, piece_bytes, score_cells
+from compaction_gym.provenance import code_identity
 
 #: an lm cell's folder (:func:`.runner.cell_dir`, the same layout for both kinds)
 lm_cell_dir = cell_dir
@@ -100,6 +101,7 @@ def run_lm_suite(
 
     cells = selected_cells(suite, methods, budgets, seeds, suite.seeds)
     started_at = now_iso()
+    code_identity()  # the code this process loaded (docs/leaderboard.md, "Provenance")
     engine_kwargs = dict(engine_kwargs or {})
     model_info = model_block(cells[0].model)
     # what each cell still needs: (cell, seed) pairs whose line is not on disk

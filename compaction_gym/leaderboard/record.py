@@ -76,14 +76,18 @@ def episode_row(traj: Trajectory) -> dict[str, Any]:
 
 
 def episode_rows(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The record rows of trajectories-file lines: an engine ``Trajectory`` each, or an sb3
-    episode (``kind = "sb3_ppo"``: no tokens or KV)."""
+    """The record rows of trajectories-file lines: an engine ``Trajectory`` each, an sb3
+    episode (``kind = "sb3_ppo"``: no tokens or KV), or an RSA question (``kind = "rsa"``)."""
     out = []
     for d in lines:
         if d.get("kind") == "sb3_ppo":
             from compaction_gym.leaderboard.sb3 import episode_row as sb3_row
 
             out.append(sb3_row(d))
+        elif d.get("kind") == "rsa":
+            from compaction_gym.leaderboard.rsa_cells import episode_row as rsa_row
+
+            out.append(rsa_row(d))
         else:
             out.append(episode_row(Trajectory.from_dict(d)))
     return out

@@ -49,7 +49,7 @@ from compaction_gym.leaderboard.store import (
 )
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, C, Cell, CellBase, Suite, SuiteFile
 from compaction_gym.models.registry import resolve_model
-from compaction_gym.provenance import provenance
+from compaction_gym.provenance import code_identity, provenance
 
 
 def cell_dir(output: str | Path, cell: CellBase) -> Path:
@@ -306,6 +306,7 @@ def run_cell(
         )
     state = json.loads(cell_file.read_text())
     state.setdefault("started_at", now_iso())
+    code_identity()  # the code this process loaded, before any episode (docs/leaderboard.md, "Provenance")
     clock = {"base": float(state.get("wall_time_s", 0.0)), "t0": time.perf_counter()}
 
     def save_clock() -> None:
@@ -313,7 +314,8 @@ def run_cell(
         state["wall_time_s"] = clock["base"] + time.perf_counter() - clock["t0"]
         write_json_atomic(cell_file, state)
 
-    tb = _cell_logger(output, cell, done) if tensorboard and missing and cell.trainer is None else None
+    episodic = cell.trainer is None and cell.rsa is None  # played as env episodes by the engine
+    tb = _cell_logger(output, cell, done) if tensorboard and missing and episodic else None
     if missing:
         log_line(
             log, f"start {cell.key} config={cell.config_sha256()} resume_from={len(done)} to_play={missing}"
@@ -331,6 +333,14 @@ def run_cell(
             from compaction_gym.leaderboard import sb3
 
             sb3.play_cell(cell, plan, directory, lambda d: write(d, d), lambda m: log_line(log, m))
+        elif cell.rsa is not None:
+            from compaction_gym.leaderboard import rsa_cells
+
+            def write_rsa(line: dict[str, Any]) -> None:
+                line = rsa_cells.with_seed(line, cell.run_seed(int(line["seed"])))
+                write(line, line)
+
+            rsa_cells.play_cell(cell, plan, backend, write_rsa)
         else:
 
             def stream(_label: str, traj: Trajectory) -> None:
@@ -475,10 +485,14 @@ def _cell_logger(output: str | Path, cell: Cell, done: list[dict[str, Any]]) -> 
     log_dir = tensorboard_dir(output, cell)
     if not done and log_dir.is_dir():
         shutil.rmtree(log_dir)
-    return TrajectoryLogger(log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done))
+    return TrajectoryLogger(
+        log_dir, episode_step=len(done), event_step=sum(len(d.get("events", [])) for d in done)
+    )
 
 
-def _play_cell(cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable) -> None:
+def _play_cell(
+    cell: Cell, plan: dict[Any, list[int]], backend: Any, progress: bool, stream: Callable
+) -> None:
     """Play a cell's missing episodes through :func:`play`, streaming each to ``stream``."""
     play(
         cell.model,

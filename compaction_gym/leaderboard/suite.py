@@ -17,6 +17,8 @@ from typing import Any, Generic, TypeVar
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.leaderboard.rsa_cells import AGENT as RSA_AGENT
+from compaction_gym.leaderboard.rsa_cells import RSA_KEYS, rsa_settings
 
 #: where ``leaderboard run NAME`` looks for ``NAME.toml`` (besides a path given as is).
 SUITES_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboard" / "suites"
@@ -97,6 +99,8 @@ class Cell(CellBase):
     capacity: int | None = None
     #: an agent trained outside the engine (``{"agent": "sb3_ppo", ...}``); ``None``: the LLM
     trainer: dict[str, Any] | None = None
+    #: RSA or plain sampling per question (``{"agent": "rsa", ...}``, :mod:`.rsa_cells`); ``None``: an episode
+    rsa: dict[str, Any] | None = None
 
     def env_seeds(self, seed: int) -> list[int]:
         """The env seeds run seed ``seed`` plays: ``seed, …, seed + episodes − 1`` in every task."""
@@ -115,8 +119,11 @@ class Cell(CellBase):
 
     def config(self) -> dict[str, Any]:
         """The JSON-safe configuration its ``config_sha256`` hashes (batch excluded: it does not
-        change results; ``trainer`` only for an agent trained outside the engine)."""
+        change results; ``trainer`` only for an agent trained outside the engine, ``rsa`` only for
+        an RSA method)."""
         extra = {} if self.trainer is None else {"trainer": self.trainer}
+        if self.rsa is not None:
+            extra["rsa"] = self.rsa
         return {
             **extra,
             "suite": self.suite,
@@ -171,7 +178,10 @@ class Suite(SuiteFile[Cell]):
             (
                 c
                 for c in self.cells
-                if c.compaction.mode == "none" and c.trainer is None and not c.compaction.injects_budget
+                if c.compaction.mode == "none"
+                and c.trainer is None
+                and c.rsa is None
+                and not c.compaction.injects_budget
             ),
             None,
         )
@@ -286,6 +296,10 @@ def _budget(where: str, spec: dict[str, Any], reference: int | None) -> Budget:
     window = spec.get("compact_window")
     if window is None:
         window = max(1, int(max_kv * float(spec.get("window_fraction", 0.5))))
+    elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window < max_kv:
+        raise InvalidArgumentError(
+            f"{where}: compact_window must be an integer in [1, max_kv_len = {max_kv}), got {window!r}"
+        )
     return Budget(label, max_kv, float(ratio) if ratio is not None else None, int(window))
 
 
@@ -317,7 +331,11 @@ def load_suite(spec: str | Path) -> Suite:
     tasks = list(data["tasks"]) if data.get("tasks") else default_tasks(data["env"])
     suite = Suite(name=str(data["name"]), path=path, data=data)
     for where, method in named_methods(path, data["methods"]):
-        if "agent" in method:
+        rsa, cell_sampling = None, sampling
+        if method.get("agent") == RSA_AGENT:
+            rsa, cell_sampling = rsa_settings(where, method, sampling)
+            method = {k: v for k, v in method.items() if k not in RSA_KEYS}
+        elif "agent" in method:
             suite.cells.append(_agent_cell(where, method, suite.name, data, tasks, episodes, seeds, sampling))
             continue
         comp_fields = {k: v for k, v in method.items() if k not in METHOD_KEYS}
@@ -347,8 +365,9 @@ def load_suite(spec: str | Path) -> Suite:
                     policy=str(data.get("policy", "model")),
                     env_kwargs=dict(data.get("env_kwargs", {})),
                     compaction=compaction,
-                    sampling=sampling,
+                    sampling=cell_sampling,
                     capacity=int(data["capacity"]) if data.get("capacity") else None,
+                    rsa=rsa,
                 )
             )
     return suite

@@ -44,13 +44,15 @@ def _draw(kind: str, seed: int, n: int):
     return keys, values, probes(n), probes(HELD_OUT)
 
 
-def _held_out_errors(kind: str, span: tuple[int, int], per_key: float, seed: int) -> dict[str, float]:
+def _held_out_errors(
+    kind: str, span: tuple[int, int], per_key: float, seed: int, refit_values: bool = True
+) -> dict[str, float]:
     t = (span[1] - span[0]) // 4
     keys, values, train, held = _draw(kind, seed, max(1, int(per_key * t)))
     full = attend(held, keys, values)
     errors = {}
     for compute_beta in (False, True):
-        res = compact(keys, values, train, span, t, compute_beta=compute_beta)
+        res = compact(keys, values, train, span, t, compute_beta=compute_beta, refit_values=refit_values)
         k, v, b = splice(keys, values, span, res.keys, res.values, new_bias=res.beta)
         errors[compute_beta] = rel(attend(held, k, v, bias=b), full)
     if span != (0, T):
@@ -59,15 +61,20 @@ def _held_out_errors(kind: str, span: tuple[int, int], per_key: float, seed: int
     return errors
 
 
+@pytest.mark.parametrize("refit_values", [True, False], ids=["refit", "kept"])
 @pytest.mark.parametrize("per_key", [0.25, 0.5, 1, 2, 4, 8])
 @pytest.mark.parametrize("span", [(0, T), (24, 72)], ids=["whole", "middle"])
 @pytest.mark.parametrize("kind", ["gauss", "peaked"])
-def test_beta_never_hurts_held_out_attention(kind, span, per_key):
-    for seed in range(3):
-        err = _held_out_errors(kind, span, per_key, seed)
+def test_beta_never_hurts_held_out_attention(kind, span, per_key, refit_values):
+    """Held-out error with β: never above deletion, on average over seeds never above no β, and per
+    seed at most 2 % above it (held-out probes are not the training probes: a fit that lowers the
+    training error can still lose a little on another draw; measured worst 1.2 % refitted, 1.6 % kept)."""
+    errs = [_held_out_errors(kind, span, per_key, seed, refit_values) for seed in range(3)]
+    for seed, err in enumerate(errs):
         assert err[True] <= 1.02 * err[False], (seed, err)
         if "delete" in err:
             assert err[True] < err["delete"], (seed, err)
+    assert sum(e[True] for e in errs) <= sum(e[False] for e in errs) * (1 + 1e-12), errs
 
 
 @pytest.mark.parametrize("span", [(0, T), (24, 72)], ids=["whole", "middle"])
@@ -89,7 +96,9 @@ def test_probe_guard_keeps_old_bias():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_beta_stays_in_its_box_relative_to_old_bias(seed):
-    keys, _, queries = make_cache(seed, 4, 64, 16, 14)  # just above the guard: the unregularised fit leaves the box
+    keys, _, queries = make_cache(
+        seed, 4, 64, 16, 14
+    )  # just above the guard: the unregularised fit leaves the box
     bias = torch.zeros(4, 64, dtype=F64)
     bias[:, 10:40] = 4 * torch.rand(4, 30, generator=torch.Generator().manual_seed(seed), dtype=F64) - 2
     idx = select_keys(keys, queries, (8, 56), 12, key_bias=bias)
@@ -148,3 +157,19 @@ def test_beta_weights_solve_the_regularised_problem(seed, n, t, ridge, bounds):
 
     assert objective(w.numpy()) <= objective(ref) * (1 + 1e-7) + 1e-12
     assert objective(w.numpy()) <= objective(np.ones(t)) + 1e-12  # never worse than no β
+
+
+def test_kept_values_beta_needs_cross_fitted_evidence():
+    """Kept values: β survives only where fits on 3/4 of the probes lower the other quarter's output
+    error, for every quarter.
+
+    With as many probes as kept keys the fold fits fall under the probe guard (no evidence): every
+    row keeps its old bias, although the full fit passes the guard. With 2 probes per kept key in
+    the peaked regime, β survives in some rows and lowers the held-out error.
+    """
+    keys, values, train, _ = _draw("peaked", 0, 12)
+    res = compact(keys, values, train, (24, 72), 12, compute_beta=True, refit_values=False)
+    assert res.beta is not None and torch.equal(res.beta, torch.zeros_like(res.beta))
+    assert not torch.equal(fit_beta(keys, train, (24, 72), res.indices), res.beta)  # the full fit did move
+    errs = [_held_out_errors("peaked", (0, T), 2, seed, refit_values=False) for seed in range(3)]
+    assert sum(e[True] for e in errs) < 0.99 * sum(e[False] for e in errs), errs

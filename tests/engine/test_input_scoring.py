@@ -257,3 +257,76 @@ def test_target_scores_entropy_equals_float64():
     lp = torch.log_softmax(logits, -1)
     _, ent = target_scores(logits, targets, rows_per_pass=4)
     assert (ent.double() + (lp.exp() * lp).sum(-1)).abs().max() < 1e-5
+
+
+#: Session settings of the property below: β on (suffix, keys and repeat probes, refitted and kept
+#: values) and the baselines whose selection reads probe positions or none.
+SCORED_CONFIGS = {
+    "am+beta": dict(mode="attention_matching", compute_beta=True),
+    "am+beta-keys": dict(mode="attention_matching", compute_beta=True, queries="keys"),
+    "am+beta-repeat-kept": dict(
+        mode="attention_matching", compute_beta=True, queries="repeat", refit_values=False
+    ),
+    "am+beta-suffix+repeat": dict(mode="attention_matching", compute_beta=True, queries="suffix+repeat"),
+    "h2o": dict(mode="h2o"),
+    "tova": dict(mode="tova"),
+    "knorm": dict(mode="knorm"),
+    "markovian": dict(mode="markovian"),
+}
+#: Both fire several times over a 12-token prompt and 4 steps of 18-30 inputs (+ 5 sampled tokens).
+SCORED_TRIGGERS = {"kv_budget": dict(max_kv_len=48, compact_window=24), "turn": dict(n_protect_turns=1)}
+
+
+@pytest.fixture(scope="module")
+def scoring_engines(tiny_model_path):
+    """Two engines on the tiny model whose prefill chunks (5, 64) split inputs differently."""
+    return {
+        chunk: Engine.from_pretrained(
+            tiny_model_path, dtype=torch.float32, device="cpu", max_slots=3, capacity=512, prefill_chunk=chunk
+        )
+        for chunk in (5, 64)
+    }
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    name=st.sampled_from(sorted(SCORED_CONFIGS)),
+    trigger=st.sampled_from(sorted(SCORED_TRIGGERS)),
+    temperature=st.sampled_from([1.0, 2.0]),
+    batched=st.booleans(),
+    chunk=st.sampled_from([5, 64]),
+)
+def test_scores_equal_replay_property(
+    scoring_engines, tiny_model, seed, name, trigger, temperature, batched, chunk
+):
+    """Whatever the mode, probe source, trigger, temperature, prefill chunk and batching: every scored
+    input token's log-prob equals replaying the session's trajectory (several events per session)."""
+    engine = scoring_engines[chunk]
+    cfg = CompactionConfig(**SCORED_CONFIGS[name], **SCORED_TRIGGERS[trigger], n_probe_queries=8)
+    sampling = GEN.replace(temperature=temperature, max_new_tokens=5)
+    n_sessions = 2 if batched else 1
+    firsts = [
+        engine.create_session(ids(12, seed + k), cfg, FORCE, score_input=True) for k in range(n_sessions)
+    ]
+    scored = {r.session_id: [(r, 0)] for r in firsts}
+    for t in range(4):
+        requests, starts = [], []
+        for k, sid in enumerate(scored):
+            starts.append(len(engine.session(sid).token_ids))
+            new = ids(18 + (seed + 3 * t + k) % 13, 100 * seed + 10 * t + k)
+            requests.append(StepRequest(sid, new, sampling.replace(seed=seed + t + k), score_input=True))
+        results = engine.step_batch(requests) if batched else [engine.step_batch([q])[0] for q in requests]
+        for res, start in zip(results, starts):
+            scored[res.session_id].append((res, start))
+    for sid, pairs in scored.items():
+        view = engine.session(sid)
+        engine.close(sid)
+        assert len(view.events) >= 2, "the property needs several compaction events per session"
+        positions = [start + i for res, start in pairs for i in range(res.prompt_len) if start + i > 0]
+        replayed = replay_logprobs(tiny_model, view, temperature=1.0, positions=positions)
+        reference = [math.nan, *replayed[1:].double().tolist()]
+        for res, start in pairs:
+            check(res, reference, start, 1e-4)
+        plain = plain_logprobs(tiny_model, view.token_ids)  # compaction did change what was scored
+        assert max(abs(plain[p] - reference[p]) for p in positions) > 1e-3

@@ -5,10 +5,19 @@ from __future__ import annotations
 import socket
 
 import gymnasium as gym
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import compaction_gym  # noqa: F401  (registers the ids)
-from compaction_gym.envs.math import ANSWER_INSTRUCTION, RGMIX_CONFIGS, MathEnv, RGMixEnv, extract_answer
+from compaction_gym.envs.math import (
+    ANSWER_INSTRUCTION,
+    RGMIX_CONFIGS,
+    STEP_BY_STEP_INSTRUCTION,
+    MathEnv,
+    RGMixEnv,
+    extract_answer,
+)
 from compaction_gym.envs.spaces import TEXT_CHARSET
 from compaction_gym.errors import InvalidArgumentError
 
@@ -68,6 +77,87 @@ def test_untagged_answer_when_tag_not_required():
     env = MathEnv(require_answer_tag=False)
     _, info = env.reset(seed=1)
     assert env.step(f" {info['answer']}\n")[1] == 1.0
+
+
+EASY_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+
+def test_last_number_fallback_scores_the_last_number_written():
+    env = MathEnv("chain_sum", EASY_SUM, require_answer_tag=False, answer_fallback="last_number")
+    question, info = env.reset(seed=3)
+    answer = int(info["answer"])
+    assert env.step(f"First {answer + 1}, no: the sum is {answer}.")[1] == 1.0
+    env.reset(seed=3)
+    *_, reward, _, _, step_info = env.step(f"It is {answer}. Check: {answer + 7}")
+    assert reward == 0.0 and step_info["extracted"] == str(answer + 7)
+    env.reset(seed=3)
+    assert env.step(f"<answer>{answer}</answer> and then 12345")[1] == 1.0  # a tag wins over the fallback
+    env.reset(seed=3)
+    *_, reward, _, _, step_info = env.step("no idea")
+    assert reward == 0.0 and step_info["extracted"] is None and "no number" in step_info["error"]
+    tagged = MathEnv("chain_sum", EASY_SUM, answer_fallback="last_number")  # tag required: no fallback
+    tagged.reset(seed=3)
+    assert tagged.step(f"the sum is {answer}")[1] == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet=st.characters(blacklist_categories=("Nd",), blacklist_characters="<>-."), max_size=40),
+    st.lists(st.integers(-10_000, 10_000), max_size=3),
+    st.integers(-10_000, 10_000),
+    st.text(alphabet=st.characters(blacklist_categories=("Nd",), blacklist_characters="<>-."), max_size=10),
+)
+def test_last_number_is_the_last_integer_written(prefix, earlier, last, suffix):
+    """Whatever words and numbers come first, the fallback reads the last integer written, and the
+    env's score of the response is reasoning-gym's score of that integer."""
+    env = MathEnv("chain_sum", EASY_SUM, require_answer_tag=False, answer_fallback="last_number")
+    text = prefix + " " + " ".join(map(str, earlier)) + " " + str(last) + suffix
+    assert env.extract(text) == str(last)
+    _, info = env.reset(seed=7)
+    entry = env.datasets["chain_sum"][info["index"]]
+    assert env.step(text)[1] == env.datasets["chain_sum"].score_answer(str(last), entry)
+
+
+def test_step_by_step_instruction_replaces_the_answer_instruction():
+    plain, _ = MathEnv("chain_sum", EASY_SUM).reset(seed=5)
+    step, info = MathEnv("chain_sum", EASY_SUM, instruction="step_by_step").reset(seed=5)
+    assert (
+        plain == info["question"] + ANSWER_INSTRUCTION and step == info["question"] + STEP_BY_STEP_INSTRUCTION
+    )
+    mixed, info = RGMixEnv({"countdown": 1}, instruction="step_by_step").reset(seed=0)
+    assert mixed.endswith(STEP_BY_STEP_INSTRUCTION)
+
+
+def test_configs_give_each_dataset_its_own_config():
+    configs = {
+        "chain_sum": EASY_SUM,
+        "basic_arithmetic": {"operators": ["+"], "min_terms": 3, "max_terms": 3},
+    }
+    chain = MathEnv("chain_sum", configs=configs)
+    assert chain.reset(seed=0)[0] == MathEnv("chain_sum", EASY_SUM).reset(seed=0)[0]
+    basic = MathEnv("basic_arithmetic", configs=configs)
+    _, info = basic.reset(seed=0)
+    assert (
+        info["question"]
+        == MathEnv("basic_arithmetic", configs["basic_arithmetic"]).reset(seed=0)[1]["question"]
+    )
+    assert (
+        MathEnv("leg_counting", configs=configs).datasets["leg_counting"].config.min_animals == 3
+    )  # its defaults
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        MathEnv("chain_sum", EASY_SUM, configs=configs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"answer_fallback": "first_number"}, "answer_fallback must be one of"),
+        ({"instruction": "cot"}, "instruction must be one of"),
+    ],
+)
+def test_bad_answering_kwargs_raise(kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        MathEnv(**kwargs)
 
 
 def test_extract_answer_takes_the_last_tag():

@@ -57,3 +57,35 @@ def test_update_doc_without_records_says_how_to_make_them(tmp_path, capsys):
     assert main(["leaderboard", "show", "--records", str(tmp_path / "none"), "--update-doc", str(doc)]) == 0
     assert "No records under" in doc.read_text() and "intro" in doc.read_text()
     capsys.readouterr()
+
+
+def test_run_line_names_the_source_tree_where_git_does_not_describe_the_code(tiny_records):
+    """A record run on a copy whose ``.git`` lags: the run line shows its source tree, not the
+    revision; a record whose tree is the revision's, or one from before ``source_tree``, shows git."""
+    import copy
+    import json
+
+    from compaction_gym.leaderboard.compliance import CheckResult
+    from compaction_gym.leaderboard.record import schema_errors
+    from compaction_gym.leaderboard.report import how_run
+
+    rec = json.loads(next(Path(tiny_records).glob("tiny/*/*/submission.json")).read_text())
+    tree, rev = "a" * 40, "b" * 40
+
+    def line(**prov):
+        r = copy.deepcopy(rec)
+        r["provenance"] = {**{k: v for k, v in r["provenance"].items() if "source_tree" not in k}, **prov}
+        assert schema_errors(r) == []
+        return how_run([(r, CheckResult(Path("x")))])
+
+    assert line(git_revision=rev).endswith(f"; git {'b' * 10}")  # an old record: no source_tree
+    assert line(git_revision=rev, source_tree=tree, git_source_tree=tree).endswith(f"; git {'b' * 10}")
+    assert line(git_revision=rev, git_dirty=True, source_tree=tree, git_source_tree="c" * 40).endswith(
+        f"; source tree {'a' * 10}"
+    )
+    assert line(git_revision=None, source_tree=tree, git_source_tree=None).endswith(
+        f"; source tree {'a' * 10}"
+    )
+    r = copy.deepcopy(rec)
+    r["provenance"]["source_tree"] = "not a hash"
+    assert any("source_tree" in e for e in schema_errors(r))

@@ -12,6 +12,7 @@ from compaction_gym.cli import main
 from compaction_gym.leaderboard import check_record, load_suite, run_suite, schema_errors
 from compaction_gym.leaderboard.record import seal
 from compaction_gym.leaderboard.store import sha256_file
+from compaction_gym.provenance import source_tree
 
 CELLS = ("none/full", "attention_matching/r0.5")
 
@@ -37,6 +38,7 @@ def test_run_writes_valid_records(tiny_records):
         ]
         assert rec["model"]["weights_sha256"] and rec["model"]["tokenizer_sha256"]
         assert {"git_revision", "versions", "hardware", "wall_time_s"} <= set(rec["provenance"])
+        assert rec["provenance"]["source_tree"] == source_tree()  # the code that ran, from disk
         assert rec["files"]["trajectories"]["lines"] == 4
         assert (tiny_records / "tiny" / cell / "run.log").read_text().count("episode ") == 4
         assert check_record(tiny_records / "tiny" / cell).ok, check_record(
@@ -267,4 +269,7 @@ def test_pairing_leaves_a_record_alone_up_to_float_noise(tiny_records, tiny_suit
     rec["comparison_vs_none"]["mean_diff"] += 1.0  # a real change is written
     path.write_text(json.dumps(seal(rec)))
     attach_comparisons(suite, root)
-    assert json.loads(path.read_text())["comparison_vs_none"]["mean_diff"] != rec["comparison_vs_none"]["mean_diff"]
+    assert (
+        json.loads(path.read_text())["comparison_vs_none"]["mean_diff"]
+        != rec["comparison_vs_none"]["mean_diff"]
+    )

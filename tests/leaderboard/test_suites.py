@@ -9,7 +9,14 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.leaderboard import load_suite
 from compaction_gym.leaderboard.suite import SUITES_DIR
 
-SHIPPED = ("babyai-balrog", "babyai-memory", "math-kv-budget", "recall")
+SHIPPED = (
+    "babyai-balrog",
+    "babyai-memory",
+    "babyai-balrog-v2",
+    "babyai-memory-v2",
+    "math-kv-budget",
+    "recall",
+)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -64,6 +71,13 @@ budgets = [{budget}]
         ("", "{ kv_ratio = 1.5 }", "kv_ratio must be in"),
         ("", "{ max_kv_len = 64, compact_window = 64 }", "compact_window"),
         ("", "{ max_kv_len = 64, windw = 3 }", "unknown keys \\['windw'\\]"),
+        (
+            "",
+            '{ kv_ratio = 0.25, compact_window = "160" }',
+            "budgets\\[0\\]: compact_window must be an integer",
+        ),
+        ("", "{ kv_ratio = 0.25, compact_window = 250 }", "compact_window must be .* max_kv_len = 250"),
+        ("", "{ max_kv_len = 64, compact_window = 0 }", "compact_window must be"),
     ],
 )
 def test_bad_suites_name_the_field(tmp_path, extra, budget, message):

@@ -152,7 +152,13 @@ def test_inject_generate_equal_engine(backend, local, url):
     for a, b in remote.inject_ranges:
         assert set(remote.completion_mask[a:b]) == {0} and set(remote.logprobs[a:b]) == {0.0}
     # raw body, the seeds' fields; max_new_tokens defaults to max_total_tokens
-    body = {"prompt_ids": [3, 4, 5, 6], "max_total_tokens": 20, "inject_budget_every": 8, "temperature": 0.6, "seed": 1}
+    body = {
+        "prompt_ids": [3, 4, 5, 6],
+        "max_total_tokens": 20,
+        "inject_budget_every": 8,
+        "temperature": 0.6,
+        "seed": 1,
+    }
     before = _sessions(url)
     data = httpx.post(f"{url}/inject_generate", json=body, timeout=120).json()
     assert data["finish_reason"] == "stop" or sum(data["completion_mask"]) == 20
@@ -215,8 +221,12 @@ def test_score_input_through_http_equals_local(backend, local):
     forced = SamplingParams(max_new_tokens=0)
     results = []
     for b in (backend, local):
-        out = [b.create_session(list(range(5, 30)), KV_BUDGET, forced, session_id="score-a", score_input=True)]
-        out.append(b.step("score-a", list(range(40, 70)), SamplingParams(seed=1, max_new_tokens=4), score_input=True))
+        out = [
+            b.create_session(list(range(5, 30)), KV_BUDGET, forced, session_id="score-a", score_input=True)
+        ]
+        out.append(
+            b.step("score-a", list(range(40, 70)), SamplingParams(seed=1, max_new_tokens=4), score_input=True)
+        )
         out += b.step_batch(
             [
                 StepRequest("score-a", list(range(80, 95)), forced, score_input=True),
@@ -231,6 +241,33 @@ def test_score_input_through_http_equals_local(backend, local):
         assert_same_result(got, want)
     assert results[0][0].input_logprobs[0] is None and results[0][0].input_logprobs[1] < 0
     assert len(results[0][2].input_logprobs) == 15 and results[0][4].input_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("queries", "refit_values"), [("repeat", False), ("suffix+repeat", True), ("keys", True)]
+)
+def test_probe_sources_through_http_equal_local(backend, local, queries, refit_values):
+    """A per-session probe source (β on) over HTTP: the same events (kept rows, β, the ``repeat``
+    probes' recorded tokens) and log-probs as in process."""
+    config = CompactionConfig(
+        mode="attention_matching", max_kv_len=40, compact_window=16, compute_beta=True,
+        queries=queries, refit_values=refit_values, n_probe_queries=8,
+    )  # fmt: skip
+    sampling = SamplingParams(temperature=1.5, seed=3, max_new_tokens=6, ignore_eos=True)
+    results = []
+    for b in (backend, local):
+        out = [b.create_session(list(range(5, 17)), config, sampling, session_id=f"probes-{queries}")]
+        out += [
+            b.step(f"probes-{queries}", list(range(40 + 9 * t, 49 + 9 * t)), score_input=True)
+            for t in range(3)
+        ]
+        b.close(f"probes-{queries}")
+        results.append(out)
+    for got, want in zip(*results):
+        assert_same_result(got, want)
+    events = [e for r in results[0] for e in r.events]
+    assert len(events) >= 2 and {e.probe_source for e in events} == {queries}
+    assert all((e.probe_tokens is not None) == ("repeat" in queries) for e in events)
 
 
 def _conversation(b, k: int) -> list:
@@ -302,10 +339,35 @@ def test_32_concurrent_sessions_equal_sequential_and_batch(backend, local, url):
         ("/compact_generate", {"prompt_ids": []}, 422, "prompt_ids"),
         ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8}, 422, "inject_budget_every"),
         ("/inject_generate", {"prompt_ids": [1], "inject_budget_every": 4}, 422, "max_total_tokens"),
-        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 0}, 422, "inject_budget_every"),
-        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 2, "max_kv_len": 9}, 422, "max_kv_len"),
-        ("/inject_generate", {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 2, "budget_message_template": "{x}"}, 422, "budget_message_template"),
-        ("/compact_session/create", {"prompt_ids": [1], "inject_budget_every": 3}, 422, "inject_budget_every"),
+        (
+            "/inject_generate",
+            {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 0},
+            422,
+            "inject_budget_every",
+        ),
+        (
+            "/inject_generate",
+            {"prompt_ids": [1], "max_total_tokens": 8, "inject_budget_every": 2, "max_kv_len": 9},
+            422,
+            "max_kv_len",
+        ),
+        (
+            "/inject_generate",
+            {
+                "prompt_ids": [1],
+                "max_total_tokens": 8,
+                "inject_budget_every": 2,
+                "budget_message_template": "{x}",
+            },
+            422,
+            "budget_message_template",
+        ),
+        (
+            "/compact_session/create",
+            {"prompt_ids": [1], "inject_budget_every": 3},
+            422,
+            "inject_budget_every",
+        ),
         ("/compact_session/step", {"new_token_ids": [1]}, 422, "session_id"),
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1]}, 404, "nope"),
         ("/compact_session/step", {"session_id": "nope", "new_token_ids": [1], "top_p": 2}, 422, "top_p"),
@@ -531,8 +593,12 @@ def test_an_untyped_failure_opening_one_session_fails_only_that_request(server, 
     free = engine.num_free_slots
     sp = SamplingParams(temperature=0.0, max_new_tokens=2)
     requests = [
-        CreateRequest([1, 2, 3], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=13), sp),
-        CreateRequest([4, 5, 6], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=8), sp),
+        CreateRequest(
+            [1, 2, 3], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=13), sp
+        ),
+        CreateRequest(
+            [4, 5, 6], CompactionConfig(mode="attention_matching", max_kv_len=64, n_probe_queries=8), sp
+        ),
     ]
     with pytest.raises(ServerError, match="allocation failed") as info:
         backend.step_batch(requests)
