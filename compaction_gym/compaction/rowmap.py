@@ -91,3 +91,21 @@ class RowMap:
         """End row of the last compacted block, if any."""
         ends = [s.row_end for s in self.segments if s.compacted]
         return max(ends) if ends else None
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Row ranges ``[row, row_end)`` of the compacted blocks, in row order."""
+        return [(s.row, s.row_end) for s in self.segments if s.compacted]
+
+
+def replace_blocks(blocks: list[tuple[int, int]], start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """The compacted blocks' row ranges after :meth:`RowMap.replace` ``(start, end, size)``.
+
+    Pure arithmetic on the ranges (planning several events ahead without touching the map): a block
+    cut by the span keeps its parts outside it, later rows shift up by ``end - start - size``.
+    """
+    shift = end - start - size
+    out = [(a, min(b, start)) for a, b in blocks if a < start]
+    if size:
+        out.append((start, start + size))
+    out += [(max(a, end) - shift, b - shift) for a, b in blocks if b > end]
+    return out

@@ -10,9 +10,10 @@ Triggers:
 
 * **KV budget** — before feeding ``need`` tokens, while ``kv_len + need > max_kv_len``, the
   ``compact_window`` rows after the protected prompt are compacted to
-  ``max(1, floor(window · ratio))`` rows (the next event's span includes the previous block).
-  Skipped when fewer than ``window`` rows follow the prompt, when ``n_compacts`` events happened,
-  or when an event would free nothing (``ratio = 1``).
+  ``max(1, floor(window · ratio))`` rows (the next event's span includes the previous block);
+  with ``kv_budget_from="raw"`` the window starts at the end of the last compacted block instead
+  (while ``window`` raw rows follow it). Skipped when fewer than ``window`` rows follow the prompt,
+  when ``n_compacts`` events happened, or when an event would free nothing (``ratio = 1``).
 * **Turn-based** — after a response: rows from the end of the last compacted block (or the
   prompt, with ``recompact_from_prompt``) to the start of the last ``k`` turns.
 * **Manual** — any span, any ratio.
@@ -35,6 +36,7 @@ from compaction_gym.compaction.modes import (
     SUFFIX_SOURCES,
     target_size,
 )
+from compaction_gym.compaction.rowmap import replace_blocks
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -120,44 +122,65 @@ class Compactor:
         self.repeat_prompt = list(repeat_prompt)
 
     # -------------------------------------------------------------- triggers
-    def kv_budget_span(self, s: Session, kv_len: int | None = None, fired: int = 0) -> tuple[int, int] | None:
+    def kv_budget_span(
+        self, s: Session, kv_len: int | None = None, planned: Sequence[tuple[int, int]] = ()
+    ) -> tuple[int, int] | None:
         """The span a KV-budget event would compact now, or ``None`` if none can fire.
 
-        ``kv_len`` / ``fired``: pretend the slot holds ``kv_len`` rows and ``fired`` more events
-        already happened (planning, see :meth:`plan_room`).
+        ``kv_budget_from="prompt"``: the ``compact_window`` rows after the protected prompt.
+        ``"raw"``: the ``compact_window`` rows after the last compacted block (the oldest rows not
+        compacted yet), or the prompt-anchored span when fewer remain. Either fires exactly when
+        the prompt-anchored span fits, so both schedules keep the same cache lengths.
+
+        ``kv_len`` / ``planned``: pretend the slot holds ``kv_len`` rows and the ``planned`` spans
+        were already compacted, in order (planning, see :meth:`plan_room`).
         """
         cfg = s.config
-        if not cfg.kv_budget or s.budget_events + fired >= cfg.n_compacts:
+        if not cfg.kv_budget or s.budget_events + len(planned) >= cfg.n_compacts:
             return None
+        kv = self.cache.length(s.slot) if kv_len is None else kv_len
+        window = cfg.compact_window
         start = s.protected_rows
-        end = start + cfg.compact_window
-        if end > (self.cache.length(s.slot) if kv_len is None else kv_len):
+        if start + window > kv or target_size(cfg.mode, window, cfg.compact_target_ratio) >= window:
             return None
-        if target_size(cfg.mode, end - start, cfg.compact_target_ratio) >= end - start:
-            return None
-        return start, end
+        if cfg.kv_budget_from == "raw":
+            block_end = self._block_end(s, planned)
+            if block_end is not None and max(start, block_end) + window <= kv:
+                start = max(start, block_end)
+        return start, start + window
+
+    def _block_end(self, s: Session, planned: Sequence[tuple[int, int]]) -> int | None:
+        """End row of the last compacted block once the ``planned`` spans are compacted."""
+        blocks = s.row_map.blocks()
+        for a, b in planned:
+            blocks = replace_blocks(
+                blocks, a, b, target_size(s.config.mode, b - a, s.config.compact_target_ratio)
+            )
+        return max((b for _, b in blocks), default=None)
 
     def plan_room(
-        self, s: Session, need: int, kv_len: int | None = None, fired: int = 0
+        self, s: Session, need: int, kv_len: int | None = None, planned: Sequence[tuple[int, int]] = ()
     ) -> tuple[list[tuple[int, int]], int]:
         """What :meth:`make_room` would do, without changing anything.
 
         A KV-budget event's outcome is pure arithmetic (``window`` rows become
-        ``target_size(window)``), so the spans and the resulting cache length are known up front.
+        ``target_size(window)``, the compacted blocks move by
+        :func:`~compaction_gym.compaction.rowmap.replace_blocks`), so the spans and the resulting
+        cache length are known up front.
 
         Args:
             need: rows to make room for under ``max_kv_len``.
-            kv_len, fired: start from this cache length and this many events already planned
-                (default: the slot's length, none).
+            kv_len, planned: start from this cache length, after these spans (already planned, in
+                firing order) were compacted (default: the slot's length, none).
 
         Returns:
-            ``(spans, kv_len_after)``: the spans, in firing order, and the slot length after them.
+            ``(spans, kv_len_after)``: the new spans, in firing order, and the slot length after them.
         """
         kv = self.cache.length(s.slot) if kv_len is None else kv_len
         spans: list[tuple[int, int]] = []
         cfg = s.config
         while cfg.kv_budget and kv + need > cfg.max_kv_len:
-            span = self.kv_budget_span(s, kv, fired + len(spans))
+            span = self.kv_budget_span(s, kv, [*planned, *spans])
             if span is None:
                 break
             spans.append(span)

@@ -25,6 +25,8 @@ INT63_MAX = 2**63 - 1
 MAX_PROBE_QUERIES = 65536
 #: most extra stop tokens one request may give
 MAX_STOP_IDS = 1024
+#: where a KV-budget event's span starts (docs/engine.md, "Triggers")
+KV_BUDGET_FROM: tuple[str, ...] = ("prompt", "raw")
 
 
 def _check_fields(obj: Any) -> None:
@@ -168,8 +170,9 @@ class CompactionConfig(_DictMixin):
 
     * **KV budget** — ``max_kv_len`` set and ``n_protect_turns < 0``: when the cache reaches
       ``max_kv_len`` (checked before and during decode) the first ``compact_window`` tokens after
-      the protected prompt are compacted to ``compact_target_ratio`` of their length, at most
-      ``n_compacts`` times per session.
+      the protected prompt (``kv_budget_from="raw"``: after the last compacted block) are
+      compacted to ``compact_target_ratio`` of their length, at most ``n_compacts`` times per
+      session.
     * **Turn-based** — ``n_protect_turns = k >= 0``: after each complete assistant response,
       the region between the end of the previous compacted block and the start of the last ``k``
       turns is compacted (``recompact_from_prompt`` re-compacts from the prompt instead).
@@ -179,6 +182,10 @@ class CompactionConfig(_DictMixin):
         mode: one of ``COMPACTION_MODES``.
         max_kv_len: KV-budget trigger length (tokens in cache).
         compact_window: tokens compacted per KV-budget event (default ``max_kv_len // 2``).
+        kv_budget_from: where a KV-budget event's span starts: ``"prompt"`` (right after the
+            protected prompt, so earlier blocks are compacted again) or ``"raw"`` (at the end of the
+            last compacted block, so each event compacts the oldest raw rows; back to ``"prompt"``
+            when fewer than ``compact_window`` raw rows remain).
         compact_target_ratio: kept fraction of a span, in (0, 1].
         n_compacts: maximum KV-budget events per session.
         max_total_tokens: cap on logical tokens generated in the session (finish reason ``budget``).
@@ -214,6 +221,15 @@ class CompactionConfig(_DictMixin):
     compact_window: int | None = field(
         default=None,
         metadata={"help": "rows compacted per KV-budget event (default: max_kv_len // 2)", "gt": 0, "le": INT32_MAX},
+    )
+    kv_budget_from: str = field(
+        default="prompt",
+        metadata={
+            "help": "where a KV-budget event's span starts: after the protected prompt (prompt: earlier "
+            "blocks are compacted again) or at the oldest not-yet-compacted row (raw: earlier blocks "
+            "are kept; back to prompt when fewer than compact_window raw rows remain)",
+            "choices": KV_BUDGET_FROM,
+        },
     )
     compact_target_ratio: float = field(
         default=0.25,

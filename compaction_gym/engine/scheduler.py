@@ -210,7 +210,7 @@ class Scheduler:
         message: list[int] = []
         if spans and s.config.inject_budget_message:
             message = self.budget_message(s)
-            more, kv = self.compactor.plan_room(s, need + len(message), kv, len(spans))
+            more, kv = self.compactor.plan_room(s, need + len(message), kv, spans)
             spans += more
         return spans, kv, message
 

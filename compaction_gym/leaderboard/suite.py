@@ -191,16 +191,26 @@ class Suite(SuiteFile[Cell]):
 #: reproduces the behaviour from before it existed. At that value a field is left out of a cell's
 #: config (and so of its hash): adding a behaviour-preserving field orphans no record, while any
 #: other value (or a changed default) changes the hash as it must (docs/leaderboard.md).
-NEUTRAL_LATER_FIELDS: dict[str, Any] = {"refit_values": True, "inject_budget_every": None}
+NEUTRAL_LATER_FIELDS: dict[str, Any] = {
+    "refit_values": True,
+    "inject_budget_every": None,
+    "kv_budget_from": "prompt",
+}
+
+#: Later fields that only act through the KV-budget trigger: a cell without it (``none``, turn-based)
+#: leaves them out at any value, so a suite-wide ``[compaction]`` setting keeps its ``none`` records.
+KV_BUDGET_ONLY_FIELDS = ("kv_budget_from",)
 
 
 def hashed_compaction(compaction: Any) -> dict[str, Any]:
     """A cell's ``compaction`` block as records hash it: ``to_dict()`` without the
-    :data:`NEUTRAL_LATER_FIELDS` at their neutral values."""
+    :data:`NEUTRAL_LATER_FIELDS` at their neutral values (nor :data:`KV_BUDGET_ONLY_FIELDS` in a
+    cell without the KV-budget trigger)."""
     return {
         k: v
         for k, v in compaction.to_dict().items()
         if not (k in NEUTRAL_LATER_FIELDS and v == NEUTRAL_LATER_FIELDS[k])
+        and not (k in KV_BUDGET_ONLY_FIELDS and not compaction.kv_budget)
     }
 
 

@@ -19,6 +19,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, 
 
 from compaction_gym.engine.config import (
     COMPACTION_MODES,
+    KV_BUDGET_FROM,
     MAX_STOP_IDS,
     PROBE_SOURCES,
     CompactionConfig,
@@ -129,6 +130,7 @@ class CompactionFields(_Request):
     )
     max_kv_len: int | None = _cc("max_kv_len")
     compact_window: int | None = _cc("compact_window")
+    kv_budget_from: Literal[KV_BUDGET_FROM] = _cc("kv_budget_from")  # type: ignore[valid-type]
     compact_target_ratio: float = _cc("compact_target_ratio")
     n_compacts: int = _cc("n_compacts")
     max_total_tokens: int | None = _cc("max_total_tokens")

@@ -21,6 +21,14 @@ CONFIGS = {
     "message": CompactionConfig(
         mode="markovian", max_kv_len=64, compact_window=48, max_total_tokens=80, inject_budget_message=True
     ),
+    "kv_raw": CompactionConfig(
+        mode="attention_matching", max_kv_len=40, compact_window=12, kv_budget_from="raw"
+    ),
+    # several raw-window events per budget message: the scheduler's two-step plan carries the spans over
+    "message_raw": CompactionConfig(
+        mode="h2o", max_kv_len=64, compact_window=32, max_total_tokens=80, inject_budget_message=True,
+        kv_budget_from="raw",
+    ),  # fmt: skip
 }
 SLOTS = 8
 

@@ -124,9 +124,32 @@ def test_neutral_later_fields_stay_out_of_the_hash_only_at_their_neutral_value()
 
     cell = next(c for c in load_suite("babyai-memory").cells if c.compaction.mode == "attention_matching")
     assert not NEUTRAL_LATER_FIELDS.keys() & cell.config()["compaction"].keys()
-    others = {"refit_values": False, "inject_budget_every": 64}
+    others = {"refit_values": False, "inject_budget_every": 64, "kv_budget_from": "raw"}
     assert others.keys() == NEUTRAL_LATER_FIELDS.keys()
     for name, value in others.items():
         other = dataclasses.replace(cell, compaction=dataclasses.replace(cell.compaction, **{name: value}))
         assert other.config()["compaction"][name] == value
         assert other.config_sha256() != cell.config_sha256()
+
+
+def test_a_suite_compaction_table_sets_kv_budget_from(tmp_path, write_tiny_suite):
+    """``[compaction] kv_budget_from = "raw"`` reaches every compacting cell and changes its hash;
+    the ``none`` cell (no KV-budget trigger, where it does nothing) keeps its hash and its records."""
+    prompt_suite = load_suite(write_tiny_suite(tmp_path, "m"))
+    raw_dir = tmp_path / "raw"
+    raw_dir.mkdir()
+    path = write_tiny_suite(raw_dir, "m")
+    path.write_text(path.read_text() + '\n[compaction]\nkv_budget_from = "raw"\n')
+    raw_suite = load_suite(path)
+    for method in ("none", "attention_matching"):
+        before, after = (next(c for c in s.cells if c.method == method) for s in (prompt_suite, raw_suite))
+        assert after.compaction.kv_budget_from == "raw"
+        assert "kv_budget_from" not in before.config()["compaction"]
+        if method == "none":
+            assert after.config_sha256() == before.config_sha256()
+        else:
+            assert after.config()["compaction"]["kv_budget_from"] == "raw"
+            assert after.config_sha256() != before.config_sha256()
+    path.write_text(path.read_text().replace('"raw"', '"newest"'))
+    with pytest.raises(InvalidArgumentError, match="kv_budget_from"):
+        load_suite(path)
