@@ -505,7 +505,7 @@ class _Job:
         start, end = ev.span
         return (
             ev.mode, ev.compute_beta, ev.refit_values, end - start, ev.target, self.row.ridge,
-            None if self.probes is None else tuple(self.probes.shape[1:]), self.key_bias is not None,
+            None if self.probes is None else self.probes.shape[2], self.key_bias is not None,
             self.keys.dtype, self.values.dtype, None if self.probes is None else self.probes.dtype,
         )  # fmt: skip
 
@@ -560,16 +560,19 @@ def _run_grouped(jobs: list[_Job], through: bool) -> None:
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+        probes = mask = None
+        if first.probes is not None:
+            probes, mask = _pad_probes([j.probes for j in members])
         res = apply_event(
             cat([span(j.keys, j) for j in members]),
             cat([span(j.values, j) for j in members]),
-            None if first.probes is None else cat([j.probes for j in members]),
+            probes,
             mode=ev.mode, span=(0, width), target=ev.target, compute_beta=ev.compute_beta,
             scale=row.layout.scale, ridge=row.ridge,
             key_bias=cat([span(j.key_bias, j) for j in members]) if first.key_bias is not None else None,
             indices=cat([j.indices - j.event.span[0] for j in members]).to(row.device),
             beta=cat([j.beta for j in members]).to(row.device) if first.beta is not None else None,
-            differentiable=torch.is_grad_enabled(), refit_values=ev.refit_values,
+            differentiable=torch.is_grad_enabled(), refit_values=ev.refit_values, query_mask=mask,
         )  # fmt: skip
         sizes = [j.keys.shape[0] for j in members]
         parts = zip(
@@ -579,6 +582,19 @@ def _run_grouped(jobs: list[_Job], through: bool) -> None:
         )
         for job, (k, v, b) in zip(members, parts):
             job.row.splice(job, k, v, b, through)
+
+
+def _pad_probes(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probes ``[B_i, n_i, d]`` stacked as ``[ΣB_i, max n_i, d]`` (zero rows appended) and the mask
+    of real ones (``None`` when all ``n_i`` are equal): suffix probe counts differ per event."""
+    sizes = [p.shape[1] for p in parts]
+    width = max(sizes)
+    if min(sizes) == width:
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+    padded = torch.cat([F.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts])
+    arange = torch.arange(width, device=padded.device)
+    mask = torch.cat([(arange < n).expand(p.shape[0], width) for p, n in zip(parts, sizes)])
+    return padded, mask
 
 
 # ------------------------------------------------------------------------------------ forward
