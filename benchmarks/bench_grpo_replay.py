@@ -49,8 +49,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--use", default=":", help="slice of the saved trajectories to replay, e.g. 2:5")
-    p.add_argument("--grad-use", type=int, default=None,
-                   help="the policy (grad) pass replays only the first N of them (its graph holds ~0.3 MB a token)")  # fmt: skip
+    p.add_argument("--grad-use", default=":",
+                   help="slice of those the policy (grad) pass replays (its graph holds ~0.3 MB a token)")  # fmt: skip
     p.add_argument("--rollouts-only", action="store_true", help="play and save the rollouts, then stop")
     p.add_argument("--no-grad-through", action="store_true", help="detach compacted blocks (am_detached)")
     return p
@@ -82,6 +82,11 @@ def play(args, model, tokenizer) -> list:
     trajs = rollouts.run(specs)
     rollouts.close()
     return trajs
+
+
+def _slice(text: str) -> slice:
+    lo, _, hi = text.partition(":")
+    return slice(int(lo) if lo else None, int(hi) if hi else None)
 
 
 def timed(fn, device: str, repeats: int) -> list[float]:
@@ -117,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rollouts_only:
         print(f"{len(trajs)} trajectories in {rollout_s:.1f} s -> {path}")
         return 0
-    lo, _, hi = args.use.partition(":")
-    trajs = trajs[int(lo) if lo else None : int(hi) if hi else None]
-    grad_trajs = trajs[: args.grad_use]
+    trajs = trajs[_slice(args.use)]
+    grad_trajs = trajs[_slice(args.grad_use)]
     model.train()
     through = not args.no_grad_through
 
