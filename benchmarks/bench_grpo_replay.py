@@ -13,8 +13,9 @@ what the trainer does with them in one optimizer step:
 
 each with events applied one trajectory at a time (``batch_events=False``, the path before this
 benchmark) and batched across trajectories (``batch_events=True``), in the same process,
-alternating, median of ``--repeats``; the max |Δ| between the two paths' log-probs and gradients
-is printed too.
+alternating, median of ``--repeats`` (CPU: process CPU seconds; CUDA: wall seconds), and the
+aten operations each pass runs (forward and backward: the kernel launches a GPU would see); the
+max |Δ| between the two paths' log-probs and gradients is printed too.
 
 Usage:
     python benchmarks/bench_grpo_replay.py --trajectories /tmp/mem.json            # CPU
@@ -32,6 +33,7 @@ import tomllib
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_shapes import device_line  # noqa: E402
@@ -89,16 +91,38 @@ def _slice(text: str) -> slice:
     return slice(int(lo) if lo else None, int(hi) if hi else None)
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations run inside it (forward and backward): a device-independent proxy
+    for the kernel launches a GPU would issue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> int:
+    with OpCounter() as counter:
+        fn()
+    return counter.ops
+
+
 def timed(fn, device: str, repeats: int) -> list[float]:
+    """Seconds per call: wall time on CUDA (synchronised), this process's CPU time on CPU (the
+    shared box's other load then barely moves it)."""
+    clock = time.perf_counter if device == "cuda" else time.process_time
     out = []
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t = clock()
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return out
 
 
@@ -148,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     lp_new, g_new = policy(True)
     d_lp = max((a - b).abs().max().item() for a, b in zip(lp_old, lp_new))
     d_g = max(((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item() for a, b in zip(g_old, g_new))
+    ops = {
+        "pol old": count_ops(lambda: policy(False)),
+        "pol new": count_ops(lambda: policy(True)),
+        "ref old": count_ops(lambda: reference(False)),
+        "ref new": count_ops(lambda: reference(True)),
+    }
     times: dict[str, list[float]] = {k: [] for k in ("pol old", "pol new", "ref old", "ref new")}
     for _ in range(args.repeats):  # alternate, so load drift hits both paths alike
         times["pol old"] += timed(lambda: policy(False), args.device, 1)
@@ -167,11 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         f"rollout {rollout_s:.1f} s; median of {args.repeats}"
     )
     print(f"max |Δ logprob| old vs batched {d_lp:.2e}; max relative |Δ grad| {d_g:.2e}")
-    print("| pass | old s | batched s | speed-up |\n|---|---|---|---|")
+    print("| pass | old s | batched s | speed-up | old aten ops | batched aten ops | ops ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, a, b in (("policy fwd+bwd", "pol old", "pol new"), ("reference fwd", "ref old", "ref new")):
-        print(f"| {name} | {med[a]:.2f} | {med[b]:.2f} | {med[a] / med[b]:.2f}× |")
+        print(
+            f"| {name} | {med[a]:.2f} | {med[b]:.2f} | {med[a] / med[b]:.2f}× | {ops[a]} | {ops[b]} | "
+            f"{ops[a] / ops[b]:.2f}× |"
+        )
     old, new = med["pol old"] + med["ref old"], med["pol new"] + med["ref new"]
-    print(f"| replay per step (policy + reference) | {old:.2f} | {new:.2f} | {old / new:.2f}× |")
+    o_old, o_new = ops["pol old"] + ops["ref old"], ops["pol new"] + ops["ref new"]
+    print(
+        f"| policy + reference | {old:.2f} | {new:.2f} | {old / new:.2f}× | {o_old} | {o_new} | "
+        f"{o_old / o_new:.2f}× |"
+    )
     return 0
 
 

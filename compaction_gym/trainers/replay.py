@@ -664,13 +664,14 @@ def _forward(
                 r.scored_ent.append(-(logp.exp() * logp).sum(-1))
             if return_logits:
                 r.scored_logits.append(sel)
+    # one stack per tensor kind for the whole batch ([B, L, H, N, d]), then a view per row: a
+    # constant number of operations per round instead of 3 x (layers + 1) per row
+    layers = range(layout.n_layers)
+    keys = torch.stack([rnd.keys[layer] for layer in layers], dim=1)
+    values = torch.stack([rnd.values[layer] for layer in layers], dim=1)
+    queries = torch.stack([rnd.queries[layer] for layer in layers], dim=1) if rnd.record_queries else None
     for b, (r, n) in enumerate(zip(rows, sizes)):
-        keys = torch.stack([rnd.keys[layer][b, :, :n] for layer in range(layout.n_layers)])
-        values = torch.stack([rnd.values[layer][b, :, :n] for layer in range(layout.n_layers)])
-        queries = None
-        if rnd.record_queries:
-            queries = torch.stack([rnd.queries[layer][b, :, :n] for layer in range(layout.n_layers)])
-        r.append(keys, values, queries)
+        r.append(keys[b, :, :, :n], values[b, :, :, :n], None if queries is None else queries[b, :, :, :n])
 
 
 def _harvest(
