@@ -505,7 +505,8 @@ class _Job:
         start, end = ev.span
         return (
             ev.mode, ev.compute_beta, ev.refit_values, end - start, ev.target, self.row.ridge,
-            None if self.probes is None else self.probes.shape[2], self.key_bias is not None,
+            None if self.probes is None else self.probes.shape[2],
+            self.key_bias is not None, self.beta is not None,
             self.keys.dtype, self.values.dtype, None if self.probes is None else self.probes.dtype,
         )  # fmt: skip
 
