@@ -47,6 +47,7 @@ def apply_event(
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
     refit_values: bool = True,
+    query_mask: torch.Tensor | None = None,
 ) -> CompactionResult:
     """The block replacing rows ``span`` of every (layer, KV head) for one event.
 
@@ -76,6 +77,9 @@ def apply_event(
         query_positions, n_kv_heads: as :func:`compact` (each probe's cache row, for the causal
             masks of h2o/snapkv; the layout for tova's head average); used only when scoring.
         refit_values: as :func:`compact` (``attention_matching``: refit C2, or keep the values).
+        query_mask: bool ``[B, n]``, ``False`` on padding probes (events of different probe counts
+            stacked in one call, as batched replay does); only with recorded ``indices`` and a
+            recorded (or no) β: C2 is fitted from each row's real probes alone (:func:`fit_values`).
 
     Returns:
         :class:`~compaction_gym.compaction.CompactionResult` (``beta`` float32 for recorded β).
@@ -91,6 +95,10 @@ def apply_event(
     refit_values = check_refit_values(refit_values)
     if differentiable and indices is None:
         raise InvalidArgumentError("indices are required with differentiable=True (replay a recorded event)")
+    if query_mask is not None and (indices is None or (compute_beta and beta is None)):
+        raise InvalidArgumentError(
+            "query_mask needs recorded indices and, with compute_beta, a recorded beta"
+        )
     if _mixed_dtypes(keys, values, queries):
         # under autocast, post-RoPE keys/queries and the value projection can differ in dtype (the
         # engine never autocasts): compact in the keys' dtype, hand C2 back in the values' dtype
@@ -99,10 +107,15 @@ def apply_event(
             mode=mode, span=span, target=target, compute_beta=compute_beta, scale=scale, key_bias=key_bias,
             ridge=ridge, seed=seed, indices=indices, beta=beta, differentiable=differentiable, compact_fn=compact_fn,
             query_positions=query_positions, n_kv_heads=n_kv_heads, refit_values=refit_values,
+            query_mask=query_mask,
         )  # fmt: skip
         return CompactionResult(res.keys, res.values.to(values.dtype), res.beta, res.indices)
     if indices is None or (
-        mode == "attention_matching" and refit_values and not differentiable and beta is None
+        mode == "attention_matching"
+        and refit_values
+        and not differentiable
+        and beta is None
+        and query_mask is None
     ):
         extra = {} if refit_values else {"refit_values": False}  # compact_fn drop-ins take it when used
         return compact_fn(
@@ -113,7 +126,7 @@ def apply_event(
         )  # fmt: skip
     return _replayed(
         keys, values, queries, mode, span, target, compute_beta, scale, key_bias, ridge, indices, beta,
-        refit_values,
+        refit_values, query_mask,
     )  # fmt: skip
 
 
@@ -137,6 +150,7 @@ def _replayed(
     indices: torch.Tensor,
     beta: torch.Tensor | None,
     refit_values: bool = True,
+    query_mask: torch.Tensor | None = None,
 ) -> CompactionResult:
     """A recorded event's block: the same operations as :func:`compact`, β a constant."""
     keys = C.check_keys(keys)
@@ -167,6 +181,7 @@ def _replayed(
             kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices
         )
     fitted = fit_values(
-        keys, values, queries, span, indices, beta=beta, scale=scale, key_bias=key_bias, ridge=ridge
-    )
+        keys, values, queries, span, indices, beta=beta, scale=scale, key_bias=key_bias, ridge=ridge,
+        query_mask=query_mask,
+    )  # fmt: skip
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)

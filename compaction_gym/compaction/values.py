@@ -11,7 +11,9 @@ from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
 
-def ridge_system(x: torch.Tensor, y: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ridge_system(
+    x: torch.Tensor, y: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy, λ)``, batched.
 
     ``λ = ridge · trace(xᵀx) / t``, floored at ``10·eps·trace(xᵀx)`` so a singular ``xᵀx``
@@ -69,11 +71,14 @@ def values_from_logits(
     indices: torch.Tensor,
     beta: torch.Tensor | None,
     ridge: float,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C2 ``[B, t, d]`` in the compute dtype for validated inputs.
 
     ``raw`` are the unbiased logits, ``logits`` include ``key_bias``; ``beta`` (absolute) replaces
-    the kept rows' bias when given, otherwise the kept rows keep their old bias.
+    the kept rows' bias when given, otherwise the kept rows keep their old bias. ``query_mask``
+    (bool ``[B, n]``): probes that are padding; their rows of the design and the target are zeroed,
+    which leaves ``xᵀx``, ``xᵀy`` and λ exactly those of the real probes alone.
     """
     start, end = span
     span_values = values[:, start:end].to(logits.dtype)
@@ -84,7 +89,11 @@ def values_from_logits(
     else:
         kept = torch.gather(raw, 2, gather) + beta.to(logits.dtype)[:, None, :]
     x = torch.softmax(kept, dim=-1).to(C.SOLVE_DTYPE)
-    return ridge_solve(x, target.to(C.SOLVE_DTYPE), ridge).to(logits.dtype)
+    target = target.to(C.SOLVE_DTYPE)
+    if query_mask is not None:
+        keep = query_mask[:, :, None].to(C.SOLVE_DTYPE)
+        x, target = x * keep, target * keep
+    return ridge_solve(x, target, ridge).to(logits.dtype)
 
 
 def check_ridge(ridge: object) -> float:
@@ -116,6 +125,7 @@ def fit_values(
     scale: float | None = None,
     key_bias: torch.Tensor | None = None,
     ridge: float = 1e-4,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Refit the kept keys' values so attention over them reproduces the span's own output.
 
@@ -136,6 +146,8 @@ def fit_values(
         scale: logit scale (``1/sqrt(d)`` when ``None``).
         key_bias: β already on cache rows ``[B, T]``, part of ``S``.
         ridge: relative ridge strength ``≥ 0``.
+        query_mask: bool ``[B, n]``, ``False`` on padding probes (several problems with different
+            probe counts stacked in one batch): the fit equals that of the real probes alone.
 
     Returns:
         C2 ``[B, t, d_v]`` in ``values``' dtype.
@@ -159,5 +171,22 @@ def fit_values(
     scale = C.check_scale(scale, keys.shape[2])
     key_bias = C.check_key_bias(key_bias, keys)
     ridge = check_ridge(ridge)
+    query_mask = check_query_mask(query_mask, queries)
     raw, logits = attention_logits(keys, queries, scale, key_bias)
-    return values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
+    return values_from_logits(raw, logits, values, span, indices, beta, ridge, query_mask).to(values.dtype)
+
+
+def check_query_mask(query_mask: object, queries: torch.Tensor) -> torch.Tensor | None:
+    if query_mask is None:
+        return None
+    if (
+        not isinstance(query_mask, torch.Tensor)
+        or query_mask.dtype != torch.bool
+        or query_mask.shape != queries.shape[:2]
+    ):
+        raise InvalidArgumentError(
+            f"query_mask must be a bool tensor of shape {tuple(queries.shape[:2])} (queries' [B, n]), "
+            f"got {getattr(query_mask, 'dtype', type(query_mask).__name__)} {tuple(getattr(query_mask, 'shape', ()))}"
+        )
+    C.check_same(query_mask, "query_mask", queries, "queries", dtype=False)
+    return query_mask

@@ -162,6 +162,7 @@ def replay_logprobs_batch(
     return_logits: bool = False,
     fused_lm_head: bool = False,
     max_tokens_per_forward: int = 2048,
+    batch_events: bool = True,
 ) -> ReplayOutput:
     """:func:`replay_logprobs` for several trajectories, batched.
 
@@ -180,12 +181,18 @@ def replay_logprobs_batch(
             score with it (``shift_labels``) instead of materialising logits; its own temperature
             applies and ``temperature`` is ignored.
         max_tokens_per_forward: longest run of tokens one trajectory feeds in one forward.
+        batch_events: apply the events due in a round with one :func:`apply_event` call per group
+            of alike events (same mode, span length, target, probe count, β flags) across
+            trajectories, on the spans' rows only; ``False``: one call per event on the whole
+            cache (the reference path; both agree to float rounding, docs/grpo.md "Replay cost").
 
     Returns:
         :class:`ReplayOutput`.
     """
     if temperature is not None and not temperature > 0:
-        raise InvalidArgumentError(f"temperature must be > 0 (or None: each trajectory's own), got {temperature}")
+        raise InvalidArgumentError(
+            f"temperature must be > 0 (or None: each trajectory's own), got {temperature}"
+        )
     if max_tokens_per_forward < 1:
         raise InvalidArgumentError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
     if return_logits and fused_lm_head:
@@ -220,10 +227,8 @@ def replay_logprobs_batch(
             _forward(model, active, layout, fused_lm_head, compute_entropy, return_logits,
                      max_tokens_per_forward)  # fmt: skip
             for row in active:
-                row.apply_due_events(
-                    grad and grad_through_compaction,
-                    lambda r, ids, start: _harvest(model, r, layout, ids, start),
-                )
+                row.harvest = lambda r, ids, start: _harvest(model, r, layout, ids, start)
+            _apply_due_events(active, grad and grad_through_compaction, batch_events)
             active = [r for r in rows if r.fed < r.end]
     return ReplayOutput(
         logprobs=[r.collect(r.scored_lp) for r in rows],
@@ -243,7 +248,11 @@ def sampling_temperature(traj: Any) -> float:
     """The temperature ``traj``'s tokens were sampled at: ``traj.sampling`` (a dict for
     trajectories, ``SamplingParams`` for engine views); 1.0 when greedy or unknown."""
     sampling = getattr(traj, "sampling", None)
-    value = sampling.get("temperature") if isinstance(sampling, Mapping) else getattr(sampling, "temperature", None)
+    value = (
+        sampling.get("temperature")
+        if isinstance(sampling, Mapping)
+        else getattr(sampling, "temperature", None)
+    )
     return float(value) if value else 1.0
 
 
@@ -301,7 +310,7 @@ class _Row:
         self.row_map = RowMap()
         self.fed = 0
         self.probe_chunks: list[tuple[int, torch.Tensor]] = []  # (first position, [L, H_q, n, d])
-        self.harvest: Any = None  # set by apply_due_events: the scratch forward of repeat probes
+        self.harvest: Any = None  # set per call: the scratch forward of repeat probes
         self.scored_pos: list[torch.Tensor] = []
         self.scored_lp: list[torch.Tensor] = []
         self.scored_ent: list[torch.Tensor] = []
@@ -356,18 +365,20 @@ class _Row:
         return flat.new_zeros(len(self.tokens)).index_put((torch.cat(self.scored_pos),), flat)
 
     # ---------------------------------------------------------------- events
-    def apply_due_events(self, through: bool, harvest: Any = None) -> None:
-        """Apply the events due now; ``harvest(row, token_ids, start)`` runs ``repeat`` probes' scratch forward."""
-        self.harvest = harvest
-        while self.next_event < len(self.events) and self.events[self.next_event].logical_len == self.fed:
-            self._apply(self.events[self.next_event], through)
-            self.next_event += 1
+    def due(self) -> bool:
+        """Whether the next event fires now (``event.logical_len`` tokens fed)."""
+        return self.next_event < len(self.events) and self.events[self.next_event].logical_len == self.fed
+
+    def prune_probes(self) -> None:
+        """Drop recorded queries that no remaining event reads."""
         floor = self.probe_floor()
         self.probe_chunks = [] if floor is None else [
             (a, q) for a, q in self.probe_chunks if a + q.shape[2] > floor
         ]  # fmt: skip
 
-    def _apply(self, ev: CompactionEvent, through: bool) -> None:
+    def prepare(self) -> _Job:
+        """The next (due) event's inputs to :func:`apply_event`, checked against the record."""
+        ev = self.events[self.next_event]
         lay = self.layout
         lh = lay.n_layers * lay.n_kv_heads
         if self.length != ev.kv_len_before:
@@ -382,27 +393,25 @@ class _Row:
                 f"trajectory {self.index}, event {ev.index}: rows {ev.span} stand for logical tokens "
                 f"{self.row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
             )
-        t = ev.target
         keys = self.k.reshape(lh, self.length, -1)
-        values = self.v.reshape(lh, self.length, -1)
         recorded = ev.recorded_beta()
-        res = apply_event(
-            keys,
-            values,
-            self._probes(ev, keys) if replay_needs_probes(ev.mode, ev.refit_values) else None,
-            mode=ev.mode,
-            span=ev.span,
-            target=t,
-            compute_beta=ev.compute_beta,
-            scale=lay.scale,
+        return _Job(
+            row=self,
+            event=ev,
+            keys=keys,
+            values=self.v.reshape(lh, self.length, -1),
+            probes=self._probes(ev, keys) if replay_needs_probes(ev.mode, ev.refit_values) else None,
             key_bias=self.beta.reshape(lh, self.length) if self.has_beta else None,
-            ridge=self.ridge,
-            indices=ev.forced_indices().to(self.device),
-            beta=None if recorded is None else recorded.to(self.device),
-            differentiable=torch.is_grad_enabled(),
-            refit_values=ev.refit_values,
+            indices=ev.forced_indices(),
+            beta=recorded,
         )
-        block_k, block_v, block_beta = res.keys, res.values, res.beta
+
+    def splice(self, job: _Job, block_k: torch.Tensor, block_v: torch.Tensor, block_beta: torch.Tensor | None,
+               through: bool) -> None:  # fmt: skip
+        """Replace the event's span by its block ``[L·H_kv, t, d]`` (and β) and advance to the next event."""
+        ev, lay = job.event, self.layout
+        start, end = ev.span
+        t = ev.target
         if not through:
             block_k, block_v = block_k.detach(), block_v.detach()
         shape = (lay.n_layers, lay.n_kv_heads, t)
@@ -414,14 +423,17 @@ class _Row:
             self.beta.new_zeros(shape) if block_beta is None else block_beta.detach().reshape(shape).float()
         )
         self.beta = torch.cat([self.beta[:, :, :start], beta, self.beta[:, :, end:]], dim=2)
-        if block_beta is not None and t:
-            self.has_beta = self.has_beta or bool(block_beta.abs().max() > 0)
+        if block_beta is not None and t and not self.has_beta:
+            # a recorded β is read on the host (no device sync); a refitted one (old records) on the device
+            src = job.beta if job.beta is not None else block_beta
+            self.has_beta = bool(src.abs().max() > 0)
         self.row_map.replace(start, end, t, ev.logical_span)
         if self.length != ev.kv_len_after:
             raise InvalidArgumentError(
                 f"trajectory {self.index}, event {ev.index}: {self.length} rows after replaying the event, "
                 f"the rollout had {ev.kv_len_after}"
             )
+        self.next_event += 1
 
     def _probes(self, ev: CompactionEvent, keys: torch.Tensor) -> torch.Tensor:
         """The event's probe queries ``[L·H_kv, n, d]``, regenerated from the replay."""
@@ -434,7 +446,9 @@ class _Row:
             rows = ev.probe_rows
             try:
                 if rows is None:  # a version-1 record: locate them as the engine chose them
-                    rows = key_probe_rows_of_range(self.row_map, self.length, self.n_probe, ev.probe_logical_range)
+                    rows = key_probe_rows_of_range(
+                        self.row_map, self.length, self.n_probe, ev.probe_logical_range
+                    )
                 ok = 0 <= rows[0] < rows[1] <= self.length
                 if not ok or self.row_map.logical_span(*rows) != ev.probe_logical_range:
                     raise InvalidArgumentError(
@@ -467,6 +481,121 @@ class _Row:
             )  # fmt: skip
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"trajectory {self.index}: {exc}") from None
+
+
+@dataclass
+class _Job:
+    """One due event's :func:`apply_event` inputs on its row's whole cache (``[L·H_kv, T, ·]``)."""
+
+    row: _Row
+    event: CompactionEvent
+    keys: torch.Tensor
+    values: torch.Tensor
+    probes: torch.Tensor | None
+    key_bias: torch.Tensor | None
+    indices: torch.Tensor  # [L·H_kv, t], host
+    beta: torch.Tensor | None  # recorded β [L·H_kv, t], host
+
+    def group(self) -> tuple | None:
+        """Jobs with equal keys are computed by one call; ``None``: on its own (a record without
+        β whose β is refitted, which this path leaves to the reference code)."""
+        ev = self.event
+        if ev.compute_beta and self.beta is None:
+            return None
+        start, end = ev.span
+        return (
+            ev.mode, ev.compute_beta, ev.refit_values, end - start, ev.target, self.row.ridge,
+            None if self.probes is None else self.probes.shape[2],
+            self.key_bias is not None, self.beta is not None,
+            self.keys.dtype, self.values.dtype, None if self.probes is None else self.probes.dtype,
+        )  # fmt: skip
+
+    def run(self) -> Any:
+        """:func:`apply_event` on the whole cache (the reference path)."""
+        ev, row = self.event, self.row
+        return apply_event(
+            self.keys, self.values, self.probes, mode=ev.mode, span=ev.span, target=ev.target,
+            compute_beta=ev.compute_beta, scale=row.layout.scale, key_bias=self.key_bias, ridge=row.ridge,
+            indices=self.indices.to(row.device), beta=None if self.beta is None else self.beta.to(row.device),
+            differentiable=torch.is_grad_enabled(), refit_values=ev.refit_values,
+        )  # fmt: skip
+
+
+def _apply_due_events(rows: list[_Row], through: bool, batched: bool) -> None:
+    """Apply every event due after this round's forward (a row may have several in a row)."""
+    while due := [r for r in rows if r.due()]:
+        jobs = [r.prepare() for r in due]
+        if batched:
+            _run_grouped(jobs, through)
+        else:
+            for job in jobs:
+                res = job.run()
+                job.row.splice(job, res.keys, res.values, res.beta, through)
+    for r in rows:
+        r.prune_probes()
+
+
+def _run_grouped(jobs: list[_Job], through: bool) -> None:
+    """One :func:`apply_event` per group of alike jobs, on the rows of each job's span.
+
+    A recorded event's block reads only its span (scores, softmaxes and the C2 target are over the
+    span's columns; kept indices lie inside it), so the spans of several trajectories are stacked on
+    the batch axis with indices shifted to the span: the same math as per event, in one call.
+    """
+    groups: dict[tuple, list[_Job]] = {}
+    for job in jobs:
+        key = job.group()
+        if key is None:
+            res = job.run()
+            job.row.splice(job, res.keys, res.values, res.beta, through)
+        else:
+            groups.setdefault(key, []).append(job)
+    for members in groups.values():
+        first = members[0]
+        ev, row = first.event, first.row
+        width = ev.span[1] - ev.span[0]
+
+        def span(x: torch.Tensor, job: _Job) -> torch.Tensor:
+            return x[:, job.event.span[0] : job.event.span[1]]
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        probes = mask = None
+        if first.probes is not None:
+            probes, mask = _pad_probes([j.probes for j in members])
+        res = apply_event(
+            cat([span(j.keys, j) for j in members]),
+            cat([span(j.values, j) for j in members]),
+            probes,
+            mode=ev.mode, span=(0, width), target=ev.target, compute_beta=ev.compute_beta,
+            scale=row.layout.scale, ridge=row.ridge,
+            key_bias=cat([span(j.key_bias, j) for j in members]) if first.key_bias is not None else None,
+            indices=cat([j.indices - j.event.span[0] for j in members]).to(row.device),
+            beta=cat([j.beta for j in members]).to(row.device) if first.beta is not None else None,
+            differentiable=torch.is_grad_enabled(), refit_values=ev.refit_values, query_mask=mask,
+        )  # fmt: skip
+        sizes = [j.keys.shape[0] for j in members]
+        parts = zip(
+            res.keys.split(sizes),
+            res.values.split(sizes),
+            res.beta.split(sizes) if res.beta is not None else [None] * len(members),
+        )
+        for job, (k, v, b) in zip(members, parts):
+            job.row.splice(job, k, v, b, through)
+
+
+def _pad_probes(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probes ``[B_i, n_i, d]`` stacked as ``[ΣB_i, max n_i, d]`` (zero rows appended) and the mask
+    of real ones (``None`` when all ``n_i`` are equal): suffix probe counts differ per event."""
+    sizes = [p.shape[1] for p in parts]
+    width = max(sizes)
+    if min(sizes) == width:
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+    padded = torch.cat([F.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts])
+    arange = torch.arange(width, device=padded.device)
+    mask = torch.cat([(arange < n).expand(p.shape[0], width) for p, n in zip(parts, sizes)])
+    return padded, mask
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -536,13 +665,14 @@ def _forward(
                 r.scored_ent.append(-(logp.exp() * logp).sum(-1))
             if return_logits:
                 r.scored_logits.append(sel)
+    # one stack per tensor kind for the whole batch ([B, L, H, N, d]), then a view per row: a
+    # constant number of operations per round instead of 3 x (layers + 1) per row
+    layers = range(layout.n_layers)
+    keys = torch.stack([rnd.keys[layer] for layer in layers], dim=1)
+    values = torch.stack([rnd.values[layer] for layer in layers], dim=1)
+    queries = torch.stack([rnd.queries[layer] for layer in layers], dim=1) if rnd.record_queries else None
     for b, (r, n) in enumerate(zip(rows, sizes)):
-        keys = torch.stack([rnd.keys[layer][b, :, :n] for layer in range(layout.n_layers)])
-        values = torch.stack([rnd.values[layer][b, :, :n] for layer in range(layout.n_layers)])
-        queries = None
-        if rnd.record_queries:
-            queries = torch.stack([rnd.queries[layer][b, :, :n] for layer in range(layout.n_layers)])
-        r.append(keys, values, queries)
+        r.append(keys[b, :, :, :n], values[b, :, :, :n], None if queries is None else queries[b, :, :, :n])
 
 
 def _harvest(

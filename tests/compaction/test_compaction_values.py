@@ -7,6 +7,7 @@ import torch
 from compaction_reference import F64, attend, block_output, gather_rows, logits, make_cache, rel
 
 from compaction_gym.compaction import fit_beta, fit_values, select_keys
+from compaction_gym.errors import InvalidArgumentError
 
 # (seed, B, T, d, n, span): spans at the start, middle and end; n = 12 and 24 are GQA-style
 # counts (fewer probes than span keys in the first case).
@@ -123,3 +124,33 @@ def test_cholesky_solve_ex_solves_and_flags_what_does_not_factor():
     assert ok.tolist() == [True, True, False, True]
     want = torch.linalg.solve(a, rhs)
     assert rel(sol[ok], want[ok]) < 1e-10
+
+
+@pytest.mark.parametrize("beta", [False, True])
+def test_query_mask_fits_each_problem_from_its_real_probes(beta):
+    """Problems with 5, 17 and 30 probes stacked with zero padding and a mask give each problem's
+    own fit (float64, each problem fitted alone); without the mask the padding changes C2."""
+    counts = [5, 17, 30]
+    span, d = (4, 28), 16
+    idx_all, parts, fits = [], [], []
+    for i, n in enumerate(counts):
+        keys, values, queries = make_cache(10 + i, 2, 32, d, n, dtype=F64)
+        idx = select_keys(keys, queries, span, 6)
+        b = torch.randn(2, 6, dtype=F64) * 0.3 if beta else None
+        fits.append(fit_values(keys, values, queries, span, idx, beta=b, ridge=1e-3))
+        parts.append((keys, values, queries, b))
+        idx_all.append(idx)
+    width = max(counts)
+    keys = torch.cat([p[0] for p in parts])
+    values = torch.cat([p[1] for p in parts])
+    queries = torch.cat([torch.nn.functional.pad(p[2], (0, 0, 0, width - p[2].shape[1])) for p in parts])
+    mask = torch.cat([(torch.arange(width) < n).expand(2, width) for n in counts])
+    b = torch.cat([p[3] for p in parts]) if beta else None
+    idx = torch.cat(idx_all)
+    got = fit_values(keys, values, queries, span, idx, beta=b, ridge=1e-3, query_mask=mask)
+    want = torch.cat(fits)
+    assert (got - want).abs().max().item() < 1e-12 * max(1.0, want.abs().max().item())
+    unmasked = fit_values(keys, values, queries, span, idx, beta=b, ridge=1e-3)
+    assert (unmasked - want).abs().max().item() > 1e-3  # the padding rows do matter without the mask
+    with pytest.raises(InvalidArgumentError, match="query_mask"):
+        fit_values(keys, values, queries, span, idx, query_mask=mask.float())

@@ -25,8 +25,6 @@ def _one_thread():
         yield
 
 
-
-
 def tensorboard_scalars(root: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -167,3 +165,36 @@ def test_config_validation(tmp_path):
         make(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(InvalidArgumentError, match="max_turn_tokens must be >= 1"):
         make(max_turn_tokens=0)
+
+
+def test_inference_replays_take_their_own_batch_size(tiny_model_path, tmp_path):
+    """The reference pass (no gradient) replays the whole generation batch at once when
+    ``replay_inference_batch_size`` says so; the policy pass keeps TRL's micro-batches."""
+    from compaction_gym.trainers.grpo.grpo_trainer import CompactionGRPOConfig, CompactionGRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    args = CompactionGRPOConfig(
+        str(tmp_path / "run"), env_id="AttnMatch-BabyAI-v0", env_kwargs=ENV_KWARGS, compaction=COMPACTION,
+        max_turn_tokens=6, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=1, beta=0.05, replay_inference_batch_size=4, num_episodes=8, bf16=False, use_cpu=True,
+        save_strategy="no", report_to="none",
+    )  # fmt: skip
+    trainer = CompactionGRPOTrainer(
+        model,
+        args,
+        reward_funcs=[even_tokens],
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+    )
+    calls = []
+    replay = trainer._replay
+
+    def recording(m, trajectories, **kwargs):
+        calls.append((len(trajectories), torch.is_grad_enabled(), m is trainer.ref_model))
+        return replay(m, trajectories, **kwargs)
+
+    trainer._replay = recording
+    trainer.train()
+    assert (4, False, True) in calls  # the reference replay: the generation batch of 4 in one call
+    assert all(n == 2 for n, grad, _ in calls if grad)  # the policy's micro-batches
+    with pytest.raises(InvalidArgumentError, match="replay_inference_batch_size must be >= 1"):
+        CompactionGRPOConfig(str(tmp_path), bf16=False, use_cpu=True, replay_inference_batch_size=0)

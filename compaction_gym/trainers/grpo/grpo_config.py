@@ -72,6 +72,15 @@ class CompactionGRPOConfig(GRPOConfig):
     replay_max_tokens_per_forward: int = field(
         default=2048, metadata={"help": "Longest run of tokens one episode feeds in one replay forward."}
     )
+    replay_inference_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Episodes replayed together by the log-prob passes without gradient (reference model, old "
+            "log-probs); None: TRL's chunk (per_device_train_batch_size). Each replay runs one forward per "
+            "segment between events, so replaying the whole generation batch at once (e.g. 32) runs a quarter "
+            "of the forwards of 4 chunks of 8; the results do not depend on it."
+        },
+    )
     log_replay_mismatch: bool = field(
         default=True,
         metadata={
@@ -119,7 +128,7 @@ class CompactionGRPOConfig(GRPOConfig):
         CompactionConfig.from_dict(self.compaction)  # raises with the valid field names
         if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
             raise InvalidArgumentError(f"env_kwargs must be a dict, got {self.env_kwargs!r}")
-        for name in ("max_turn_tokens", "engine_max_slots", "engine_capacity"):
+        for name in ("max_turn_tokens", "engine_max_slots", "engine_capacity", "replay_inference_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1 or None, got {value}")

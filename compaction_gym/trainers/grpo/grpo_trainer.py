@@ -166,7 +166,8 @@ class CompactionGRPOTrainer(GRPOTrainer):
             capacity=args.engine_capacity,
             fast=args.engine_fast,
         )
-        attach_rollout_histograms(self)  # per-event/episode distributions beside TRL's scalars (docs/tensorboard.md)
+        # per-event/episode distributions beside TRL's scalars (docs/tensorboard.md)
+        attach_rollout_histograms(self)
 
     # ------------------------------------------------------------------------------ rollouts
     def _rollout(self, prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
@@ -257,6 +258,8 @@ class CompactionGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"{len(trajectories)} trajectories for a batch of {batch} samples")
         _check_completions(input_ids[:, -logits_to_keep:], trajectories)
         batch_size = batch_size or batch
+        if not torch.is_grad_enabled() and self.args.replay_inference_batch_size:
+            batch_size = self.args.replay_inference_batch_size  # no graph to hold: fewer, wider rounds
         logps, entropies = [], []
         for lo in range(0, batch, batch_size):
             chunk = trajectories[lo : lo + batch_size]
