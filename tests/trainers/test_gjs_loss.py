@@ -22,15 +22,6 @@ from compaction_gym.trainers.gjs import (
 ALPHAS = (0.0, 0.1, 0.5, 0.9, 1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread hand-offs cost more than they save on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 SUPPORTS = ("teacher", "student", "union")
 
 

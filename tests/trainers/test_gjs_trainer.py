@@ -10,16 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tree_helpers import one_thread
 
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.gjs import DIVERGENCE_MODES
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def _config(tmp_path: Path, **kwargs):

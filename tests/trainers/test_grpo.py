@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from replay_helpers import even_tokens, one_thread
+from replay_helpers import even_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compaction_gym.errors import InvalidArgumentError
@@ -17,12 +17,6 @@ from compaction_gym.trainers.replay_attention import REPLAY_ATTENTION
 ENV_KWARGS = {"max_episode_steps": 3}
 #: Turn-based β compaction: an event after turns 2 and 3, so turn 3 is sampled from a compacted cache.
 COMPACTION = {"mode": "attention_matching", "n_protect_turns": 1, "compute_beta": True, "n_probe_queries": 32}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def tensorboard_scalars(root: Path) -> dict[str, list[float]]:

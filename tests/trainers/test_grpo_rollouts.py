@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replay_helpers import one_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import compaction_gym  # noqa: F401  (registers the env ids)
@@ -12,12 +11,6 @@ from compaction_gym.engine import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay import replay_logprobs_batch
 from compaction_gym.trainers.rollouts import EnvRollouts, group_specs, resolve_envs, rollout_batch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def test_groups_share_the_episode_and_the_policy(tiny_model_path):

@@ -12,35 +12,15 @@ import dataclasses
 import gymnasium as gym
 import pytest
 import torch
-from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
-from transformers import AutoModelForCausalLM
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
 
 import compaction_gym  # noqa: F401  (registers the env ids)
 from compaction_gym.agents import CompactionAgent, Trajectory, run_episode
 from compaction_gym.backends import LocalBackend
 from compaction_gym.compaction import CompactionEvent
-from compaction_gym.engine import CompactionConfig, Engine
+from compaction_gym.engine import CompactionConfig
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return Engine.from_pretrained(
-        tiny_model_path, dtype=torch.float32, device="cpu", max_slots=4, capacity=1024
-    )
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    """The trainer's own copy of the weights (plain HF model, default attention)."""
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
 def config(mode: str, trigger: str, **extra) -> CompactionConfig:

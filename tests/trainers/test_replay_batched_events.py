@@ -12,28 +12,15 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import example, given, settings
-from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
 from transformers import AutoModelForCausalLM
 
 import compaction_gym.trainers.replay as replay_mod
-from compaction_gym.engine import CompactionConfig, Engine
+from compaction_gym.engine import CompactionConfig
 from compaction_gym.trainers.replay import replay_logprobs_batch
 
 #: batched vs event-by-event: float32 rounding of the same operations on stacked spans
 SAME = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    return Engine.from_pretrained(
-        tiny_model_path, dtype=torch.float32, device="cpu", max_slots=4, capacity=1024
-    )
 
 
 @pytest.fixture(scope="module")

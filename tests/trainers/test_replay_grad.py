@@ -8,18 +8,12 @@ import types
 
 import pytest
 import torch
-from replay_helpers import one_thread, plain_session, token_ids
+from replay_helpers import plain_session, token_ids
 from transformers import AutoModelForCausalLM
 
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.trainers.replay import replay_logprobs
 from compaction_gym.trainers.replay_attention import REPLAY_ATTENTION
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

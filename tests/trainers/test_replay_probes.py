@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replay_helpers import SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
-from transformers import AutoModelForCausalLM
+from replay_helpers import SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
 
 from compaction_gym.compaction import CompactionEvent
 from compaction_gym.engine import CompactionConfig, Engine
@@ -19,20 +18,9 @@ from compaction_gym.trainers.replay import replay_logprobs
 HOT = SAMPLING.replace(temperature=1.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     return Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cpu", max_slots=2, capacity=1024)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("trigger", list(TRIGGERS))

@@ -13,17 +13,11 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import example, given, settings
-from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

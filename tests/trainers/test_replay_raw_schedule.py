@@ -11,8 +11,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import example, given, settings
-from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, one_thread, plain_session
-from transformers import AutoModelForCausalLM
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
 
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
@@ -20,22 +19,11 @@ from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batc
 PROMPT, TURNS = 16, 6  # 16 + 6 × (10 + 20) tokens under a 64-row budget: 5+ events
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     return Engine.from_pretrained(
         tiny_model_path, dtype=torch.float32, device="cpu", max_slots=3, capacity=512
     )
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
 def raw_config(mode: str, probes: str, ratio: float, schedule: str = "raw") -> CompactionConfig:

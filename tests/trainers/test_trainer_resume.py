@@ -6,19 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
-from replay_helpers import even_tokens, one_thread
+from replay_helpers import even_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 #: Turn-based β compaction, so every step's episodes replay a compaction event.
 COMPACTION = {"mode": "attention_matching", "n_protect_turns": 1, "compute_beta": True, "n_probe_queries": 16}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 

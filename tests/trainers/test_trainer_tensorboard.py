@@ -10,13 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from tree_helpers import one_thread, random_tree
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
+from tree_helpers import random_tree
 
 
 def _acc(root: Path) -> EventAccumulator:

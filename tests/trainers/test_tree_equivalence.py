@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tree_helpers import one_thread, random_tree
+from tree_helpers import random_tree
 
 from compaction_gym.trainers.tree_sft import (
     Tree,
@@ -25,12 +25,6 @@ from compaction_gym.trainers.tree_sft import (
 )
 
 N_TREES = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tree_helpers import ancestors_or_self, one_thread, preorder, random_tree
+from tree_helpers import ancestors_or_self, preorder, random_tree
 
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.tree_sft import (
@@ -20,12 +20,6 @@ from compaction_gym.trainers.tree_sft import (
 )
 
 TREES = [random_tree(random.Random(seed), vocab=50) for seed in range(30)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 # -- data model ---------------------------------------------------------------------------------

@@ -9,16 +9,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tree_helpers import one_thread, random_tree
+from tree_helpers import random_tree
 
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.tree_sft import Tree, TreeNode, tree_from_trajectories, trees_to_dataset
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

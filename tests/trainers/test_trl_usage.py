@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from replay_helpers import one_thread
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def _first_python_block(page: str, contains: str) -> str:
