@@ -362,7 +362,7 @@ def beta_where_it_helps(
     old = torch.zeros_like(beta) if old_beta is None else old_beta.to(beta.dtype)
 
     def error(bias: torch.Tensor, probes: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        """Summed squared output error ``[B]`` of ``probes`` with ``bias`` on the kept rows."""
+        """Squared output error ``[B, n]`` of each of ``probes`` with ``bias`` on the kept rows."""
         s_c = torch.cat(
             [
                 logits[:, probes, :start],
@@ -371,13 +371,13 @@ def beta_where_it_helps(
             ],
             dim=2,
         )
-        return ((torch.softmax(s_c, dim=-1) @ v_c - ref[:, probes]) ** 2).sum((-1, -2))
+        return ((torch.softmax(s_c, dim=-1) @ v_c - ref[:, probes]) ** 2).sum(-1)
 
-    better = error(beta) < error(old)
+    old_error = error(old)  # per probe: every fold is judged against its share of it
+    ok = error(beta).sum(-1) < old_error.sum(-1)
     probe = torch.arange(logits.shape[1], device=logits.device)
-    ok = better.clone()
     for k in range(min(CV_FOLDS, len(probe))):
         judge_on, fit_on = probe[probe % CV_FOLDS == k], probe[probe % CV_FOLDS != k]
         fold_beta = beta_from_logits(logits[:, fit_on], span, indices, key_bias).to(beta.dtype)
-        ok = ok & (error(fold_beta, judge_on) < error(old, judge_on))
+        ok = ok & (error(fold_beta, judge_on).sum(-1) < old_error[:, judge_on].sum(-1))
     return torch.where(ok[:, None], beta, old)

@@ -177,6 +177,7 @@ def fit_values(
 
 
 def check_query_mask(query_mask: object, queries: torch.Tensor) -> torch.Tensor | None:
+    """``query_mask`` checked against ``queries`` ``[B, n, d]`` (a bool ``[B, n]`` on their device) or ``None``."""
     if query_mask is None:
         return None
     if (

@@ -139,12 +139,12 @@ def play_cell(
         if not env_seeds:
             continue
         env = gym.make(cell.env, **task_env_kwargs(cell.env, task), **cell.env_kwargs)
+        extract = answer_extractor(env)
         try:
             for env_seed in env_seeds:
                 t0 = time.perf_counter()
                 question, info = env.reset(seed=env_seed)
                 run = run_question(engine, settings, question, env_seed, cell)
-                extract = answer_extractor(env)
                 final = run.populations[-1]
                 scores = score_population(env_scorer(env, info), final, extract)
                 label = str(info.get("dataset", task))

@@ -222,12 +222,12 @@ def replay_logprobs_batch(
     else:
         switch = use_attention(model, name)
     with torch.enable_grad() if grad else torch.no_grad(), switch:
+        for row in rows:  # the scratch forward of repeat probes
+            row.harvest = lambda r, ids, start: _harvest(model, r, layout, ids, start)
         active = [r for r in rows if r.fed < r.end]
         while active:
             _forward(model, active, layout, fused_lm_head, compute_entropy, return_logits,
                      max_tokens_per_forward)  # fmt: skip
-            for row in active:
-                row.harvest = lambda r, ids, start: _harvest(model, r, layout, ids, start)
             _apply_due_events(active, grad and grad_through_compaction, batch_events)
             active = [r for r in rows if r.fed < r.end]
     return ReplayOutput(
@@ -554,25 +554,18 @@ def _run_grouped(jobs: list[_Job], through: bool) -> None:
         first = members[0]
         ev, row = first.event, first.row
         width = ev.span[1] - ev.span[0]
-
-        def span(x: torch.Tensor, job: _Job) -> torch.Tensor:
-            return x[:, job.event.span[0] : job.event.span[1]]
-
-        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
         probes = mask = None
         if first.probes is not None:
             probes, mask = _pad_probes([j.probes for j in members])
         res = apply_event(
-            cat([span(j.keys, j) for j in members]),
-            cat([span(j.values, j) for j in members]),
+            _cat([_span_rows(j.keys, j) for j in members]),
+            _cat([_span_rows(j.values, j) for j in members]),
             probes,
             mode=ev.mode, span=(0, width), target=ev.target, compute_beta=ev.compute_beta,
             scale=row.layout.scale, ridge=row.ridge,
-            key_bias=cat([span(j.key_bias, j) for j in members]) if first.key_bias is not None else None,
-            indices=cat([j.indices - j.event.span[0] for j in members]).to(row.device),
-            beta=cat([j.beta for j in members]).to(row.device) if first.beta is not None else None,
+            key_bias=_cat([_span_rows(j.key_bias, j) for j in members]) if first.key_bias is not None else None,
+            indices=_cat([j.indices - j.event.span[0] for j in members]).to(row.device),
+            beta=_cat([j.beta for j in members]).to(row.device) if first.beta is not None else None,
             differentiable=torch.is_grad_enabled(), refit_values=ev.refit_values, query_mask=mask,
         )  # fmt: skip
         sizes = [j.keys.shape[0] for j in members]
@@ -585,13 +578,22 @@ def _run_grouped(jobs: list[_Job], through: bool) -> None:
             job.row.splice(job, k, v, b, through)
 
 
+def _span_rows(x: torch.Tensor, job: _Job) -> torch.Tensor:
+    """``x``'s rows of ``job``'s span (axis 1)."""
+    return x[:, job.event.span[0] : job.event.span[1]]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _pad_probes(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Probes ``[B_i, n_i, d]`` stacked as ``[ΣB_i, max n_i, d]`` (zero rows appended) and the mask
     of real ones (``None`` when all ``n_i`` are equal): suffix probe counts differ per event."""
     sizes = [p.shape[1] for p in parts]
     width = max(sizes)
     if min(sizes) == width:
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+        return _cat(parts), None
     padded = torch.cat([F.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts])
     arange = torch.arange(width, device=padded.device)
     mask = torch.cat([(arange < n).expand(p.shape[0], width) for p, n in zip(parts, sizes)])

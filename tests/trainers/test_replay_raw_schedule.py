@@ -10,8 +10,16 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import example, given, settings
-from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
+from hypothesis import assume, example, given, settings
+from replay_helpers import (
+    MODES,
+    SAMPLING,
+    TOL,
+    TRIGGERS,
+    c2_fit_ill_conditioned,
+    max_sampled_diff,
+    plain_session,
+)
 
 from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
@@ -48,6 +56,7 @@ def raw_config(mode: str, probes: str, ratio: float, schedule: str = "raw") -> C
 def test_replay_matches_a_raw_schedule_rollout(
     engine, model, seed, mode, probes, temperature, ratio, batched
 ):
+    assume(not c2_fit_ill_conditioned(mode, probes, ratio))  # pinned below as a known gap
     sampling = SAMPLING.replace(temperature=temperature)
     view = plain_session(engine, raw_config(mode, probes, ratio), seed=seed, sampling=sampling, turns=TURNS)
     starts = [e.span[0] for e in view.events]
@@ -69,3 +78,14 @@ def test_replay_matches_a_raw_schedule_rollout(
     )
     for lp, v in zip(out.logprobs, (view, other)):
         assert max_sampled_diff(lp, v) < TOL
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 22): an ill-conditioned C2 refit amplifies rounding")
+@pytest.mark.parametrize("schedule", ["prompt", "raw"])
+def test_known_gap_c2_refit_from_random_probes_at_one_probe_per_key(engine, model, schedule):
+    """Both schedules miss the contract in :func:`c2_fit_ill_conditioned`'s regime (measured 2.5e-4
+    raw / 7.7e-4 prompt at seed 2 with ratio 0.5); strict: fixing the fit makes this test fail, so
+    the exclusion above goes with it."""
+    cfg = raw_config("attention_matching", "random", 0.5, schedule)
+    view = plain_session(engine, cfg, seed=2, sampling=SAMPLING.replace(temperature=1.0), turns=TURNS)
+    assert max_sampled_diff(replay_logprobs(model, view, temperature=1.0), view) < TOL
