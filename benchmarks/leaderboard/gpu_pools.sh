@@ -11,13 +11,26 @@
 # gpu_run.sh with its own worker processes, all stopped T seconds after the start. Logs:
 # /tmp/pools/N.log. REC as gpu_run.sh (default /tmp/records). `pack` runs `leaderboard check` on
 # every record (with the trajectories, here) and brings back the records without trajectories.
+#
+# `start` copies the checkout to STABLE (default /tmp/cg) and runs the pools from there: every device
+# call re-sends the working tree, and workers that import from it mid-copy fail (seen 2026-11-25:
+# "No module named ...", "directory without config.json"). GPU memory bounds JOBS: a smollm2 worker
+# holds ~5-7 GB (capacity x batch slots), so ~11 of them beside 12 babyai-tiny workers filled an
+# H100 (CUDA out of memory); keep the sum of pools' JOBS x per-worker memory under the card's.
 set -u
 MODE=${MODE:-wait}
 REC=${REC:-/tmp/records}
-HERE=$(dirname "$0")
+STABLE=${STABLE:-/tmp/cg}
 mkdir -p /tmp/pools
 case "$MODE" in
 start)
+  if [ "$PWD" != "$STABLE" ]; then
+    rm -rf "$STABLE" && mkdir -p "$STABLE"
+    tar cf - . | tar xf - -C "$STABLE"
+    cp "$POOLS" "$STABLE/.pools.txt" && POOLS="$STABLE/.pools.txt"
+  fi
+  cd "$STABLE" || exit 1
+  HERE=benchmarks/leaderboard
   i=0
   grep -v -E '^\s*(#|$)' "$POOLS" | while read -r jobs suite flags; do
     i=$((i + 1))
@@ -29,9 +42,11 @@ start)
   sleep "${SLEEP:-5}"
   ;;
 wait)
+  HERE=$STABLE/benchmarks/leaderboard
   sleep "${SLEEP:-560}"
   ;;
 pack)
+  HERE=$STABLE/benchmarks/leaderboard
   while pgrep -f "gpu_run.sh" >/dev/null; do sleep 5; done
   ;;
 esac
