@@ -154,10 +154,13 @@ def fit_values(
     """Refit the kept keys' values so attention over them reproduces the span's own output.
 
     Target ``Y_i = Σ_{j∈W} softmax_W(S_i)_j V_j`` (softmax over the span only); design
-    ``X_i = softmax_sel(S_i,sel + β)``; ``C2 = argmin ‖X C2 − Y‖² + λ‖C2‖²`` with
-    ``λ = ridge · trace(XᵀX) / t`` (batched Cholesky; λ floored at ``10·eps·trace`` and a
-    pseudo-inverse fallback keep singular systems solvable). With every span key kept, no β and
-    ``ridge=0`` it reproduces the span's block output up to rounding.
+    ``X_i = softmax_sel(S_i,sel + β)``; ``C2 = argmin ‖X C2 − Y‖² + λ‖C2 − V_sel‖²``: a ridge
+    toward the kept rows' original values, so directions the probes do not determine keep them.
+    ``λ = ρ · trace(XᵀX) / t`` with ``ρ = ridge`` from two probes per kept key up and
+    ``PEAK_RIDGE_FACTOR · ridge`` at one and below (:func:`relative_ridge`; batched Cholesky, λ
+    floored at ``10·eps·trace`` and a pseudo-inverse fallback keep singular systems solvable).
+    With every span key kept and no β, ``C2 = V_W`` reproduces the span's block output up to
+    rounding for any ridge.
 
     Args:
         keys: cache keys ``[B, T, d]``.
@@ -169,7 +172,7 @@ def fit_values(
             keeps their current bias (``key_bias`` at the kept rows, or 0).
         scale: logit scale (``1/sqrt(d)`` when ``None``).
         key_bias: β already on cache rows ``[B, T]``, part of ``S``.
-        ridge: relative ridge strength ``≥ 0``.
+        ridge: relative ridge strength ``≥ 0`` (``0``: plain least squares).
         query_mask: bool ``[B, n]``, ``False`` on padding probes (several problems with different
             probe counts stacked in one batch): the fit equals that of the real probes alone.
 

@@ -16,10 +16,11 @@ all layers × KV heads at once, without materialising the probe × key logits:
    :func:`~compaction_gym.compaction.beta.beta_weights`), solved on the Gram matrix ``AᵀA`` (one
    batched product, bf16 operands for half-precision caches) by a fixed number of box-projected
    FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
-   factorisation, no host sync); C2 solves the package's ridge normal equations by a batched
-   Cholesky factor and two triangular solves, also without a host sync: a problem that does not
-   factor (never seen with the ridge floor) keeps its selected rows' values instead of the
-   reference's pseudo-inverse fallback.
+   factorisation, no host sync); C2 is the package's own solve without a host sync
+   (:func:`~compaction_gym.compaction.values.ridge_solve_ex`: ridge toward the kept rows' values,
+   a batched Cholesky factor and two triangular solves): a problem that does not factor (never
+   seen with the ridge floor) keeps its selected rows' values instead of the reference's
+   pseudo-inverse fallback.
 
 Products of bf16 keys and queries are exact in the kernels' float32 accumulators, so the scores
 match the reference's float32 scores to rounding. Other modes, CPU tensors and machines without
