@@ -172,6 +172,24 @@ def test_cholesky_solve_ex_solves_and_flags_what_does_not_factor():
     assert rel(sol[ok], want[ok]) < 1e-10
 
 
+def test_ridge_solve_ex_is_the_fast_paths_c2():
+    """The GPU fast path's C2 (``ridge_solve_ex``, no host sync) is the reference ridge solution
+    toward the prior where the system factors, and the prior itself (the kept values) where not."""
+    from compaction_gym.compaction.values import ridge_solve_ex
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.softmax(torch.randn(5, 12, 8, generator=g, dtype=F64), -1)
+    x[:, 9:] = 0  # padding probes in every problem: 9 real probes for 8 keys (the peak ramp)
+    y = torch.randn(5, 12, 4, generator=g, dtype=F64)
+    prior = torch.randn(5, 8, 4, generator=g, dtype=F64)
+    x[3, 0, 0] = float("nan")  # problem 3 does not solve
+    sol, ok, _ = ridge_solve_ex(x, y, prior, 1e-3)
+    assert ok.tolist() == [True, True, True, False, True]
+    assert torch.equal(sol[3], prior[3])
+    want = ridge_toward(x[ok], y[ok], prior[ok], 1e-3, n_probes=[9] * 4)
+    torch.testing.assert_close(sol[ok], want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("beta", [False, True])
 def test_query_mask_fits_each_problem_from_its_real_probes(beta):
     """Problems with 5, 17 and 30 probes stacked with zero padding and a mask give each problem's
