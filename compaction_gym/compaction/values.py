@@ -10,9 +10,10 @@ from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
-#: How many times ``ridge`` C2's ridge is at and below one probe per kept key (the square,
-#: ill-conditioned interpolation peak of least squares); it falls linearly to 1× at two probes per
-#: kept key (docs/compaction.md, "C2").
+#: C2's relative ridge at and below one probe per kept key, in multiples of ``ridge``: the square
+#: least-squares fit (its interpolation peak) is ill-conditioned enough to turn a rollout's float32
+#: rounding into replay gaps past 1e-4. It falls linearly to 1× at two probes per kept key
+#: (docs/compaction.md, "C2's ridge at one probe per kept key").
 PEAK_RIDGE_FACTOR = 100.0
 
 
