@@ -188,7 +188,8 @@ def compact(
         scale: logit scale (``1/sqrt(d)`` when ``None``).
         key_bias: β already stored on cache rows ``[B, T]`` (0 elsewhere), added to the logits.
             Kept rows keep their old bias (returned as ``beta``) unless β is refitted.
-        ridge: relative ridge strength of the C2 solve.
+        ridge: relative ridge strength of the C2 solve, toward the kept rows' original values
+            (:func:`~compaction_gym.compaction.values.relative_ridge`).
         seed: seed of the ``random`` baseline.
         query_positions: cache row of each probe, int ``[n]`` or ``[B, n]`` (``>= 0``; a probe not
             in the cache yet may be past ``T``). The attention baselines (``h2o``, ``snapkv``,

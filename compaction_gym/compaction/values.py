@@ -10,22 +10,36 @@ from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
+#: C2's relative ridge at and below one probe per kept key, in multiples of ``ridge``: the square
+#: least-squares fit (its interpolation peak) is ill-conditioned enough to turn a rollout's float32
+#: rounding into replay gaps past 1e-4. It falls linearly to 1× at two probes per kept key
+#: (docs/compaction.md, "C2's ridge at one probe per kept key").
+PEAK_RIDGE_FACTOR = 100.0
+
+
+def relative_ridge(x: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Per problem ``ridge · (1 + (PEAK_RIDGE_FACTOR − 1) · clamp(2 − n/t, 0, 1))`` ``[B]`` for a
+    design ``x`` ``[B, n, t]`` whose all-zero rows are padding (``n`` counts the others)."""
+    probes = (x != 0).any(-1).sum(-1).to(x.dtype)
+    peak = (2 - probes / x.shape[-1]).clamp(0, 1)
+    return ridge * (1 + (PEAK_RIDGE_FACTOR - 1) * peak)
+
 
 def ridge_system(
-    x: torch.Tensor, y: torch.Tensor, ridge: float
+    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy, λ)``, batched.
+    """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy + λ·prior, λ)``, batched.
 
-    ``λ = ridge · trace(xᵀx) / t``, floored at ``10·eps·trace(xᵀx)`` so a singular ``xᵀx``
-    (``ridge=0`` with duplicate keys or fewer probes than keys) still factors.
+    ``λ = relative_ridge(x, ridge) · trace(xᵀx) / t`` (:func:`relative_ridge`), floored at
+    ``10·eps·trace(xᵀx)`` so a singular ``xᵀx`` (``ridge=0`` with duplicate keys or fewer probes
+    than keys) still factors.
     """
     t = x.shape[-1]
     gram = x.mT @ x
-    rhs = x.mT @ y
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
-    lam = torch.maximum(ridge * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
+    lam = torch.maximum(relative_ridge(x, ridge) * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
     eye = torch.eye(t, dtype=x.dtype, device=x.device)
-    return gram + lam[:, None, None] * eye, rhs, lam
+    return gram + lam[:, None, None] * eye, x.mT @ y + lam[:, None, None] * prior, lam
 
 
 def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,27 +52,37 @@ def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor,
     return sol, (info == 0) & sol.isfinite().all(-1).all(-1)
 
 
-def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
-    """``argmin_c ‖x c − y‖² + λ‖c‖²`` with ``λ = ridge · trace(xᵀx) / t``, batched.
+def ridge_solve_ex(
+    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ridge_solve` without a host synchronisation (the GPU fast path's C2): a problem
+    whose normal equations do not factor gets ``prior``. Returns ``(c, ok, λ)``."""
+    a, rhs, lam = ridge_system(x, y, prior, ridge)
+    sol, ok = cholesky_solve_ex(a, rhs)
+    return torch.where(ok[:, None, None], sol, prior), ok, lam
+
+
+def ridge_solve(x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``argmin_c ‖x c − y‖² + λ‖c − prior‖²``, ``λ`` from :func:`ridge_system`, batched.
 
     A Cholesky solve of the normal equations (:func:`ridge_system`). Problems where the
     factorisation fails anyway or yields non-finite values are re-solved from the augmented
-    system ``[x; √λ I] c = [y; 0]`` with a pseudo-inverse (SVD).
+    system ``[x; √λ I] c = [y; √λ prior]`` with a pseudo-inverse (SVD).
 
     Args:
-        x: ``[B, n, t]``. y: ``[B, n, d]``. ridge: relative ridge strength ``≥ 0``.
+        x: ``[B, n, t]``. y: ``[B, n, d]``. prior: ``[B, t, d]``, what ``c`` falls back to in
+            the directions the rows of ``x`` do not determine. ridge: relative strength ``≥ 0``.
 
     Returns:
         ``c`` ``[B, t, d]``.
     """
-    t = x.shape[-1]
-    a, rhs, lam = ridge_system(x, y, ridge)
-    sol, ok = cholesky_solve_ex(a, rhs)
+    sol, ok, lam = ridge_solve_ex(x, y, prior, ridge)
     if not bool(ok.all()):
         rows = (~ok).nonzero()[:, 0]
-        eye = torch.eye(t, dtype=x.dtype, device=x.device)
-        xa = torch.cat([x[rows], lam[rows].sqrt()[:, None, None] * eye], dim=1)
-        ya = torch.cat([y[rows], y.new_zeros(len(rows), t, y.shape[-1])], dim=1)
+        root = lam[rows].sqrt()[:, None, None]
+        eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+        xa = torch.cat([x[rows], root * eye], dim=1)
+        ya = torch.cat([y[rows], root * prior[rows]], dim=1)
         sol = sol.index_put((rows,), torch.linalg.pinv(xa) @ ya)
     return sol
 
@@ -93,7 +117,8 @@ def values_from_logits(
     if query_mask is not None:
         keep = query_mask[:, :, None].to(C.SOLVE_DTYPE)
         x, target = x * keep, target * keep
-    return ridge_solve(x, target, ridge).to(logits.dtype)
+    prior = torch.gather(values, 1, indices[:, :, None].expand(-1, -1, values.shape[2])).to(C.SOLVE_DTYPE)
+    return ridge_solve(x, target, prior, ridge).to(logits.dtype)
 
 
 def check_ridge(ridge: object) -> float:
@@ -130,10 +155,13 @@ def fit_values(
     """Refit the kept keys' values so attention over them reproduces the span's own output.
 
     Target ``Y_i = Σ_{j∈W} softmax_W(S_i)_j V_j`` (softmax over the span only); design
-    ``X_i = softmax_sel(S_i,sel + β)``; ``C2 = argmin ‖X C2 − Y‖² + λ‖C2‖²`` with
-    ``λ = ridge · trace(XᵀX) / t`` (batched Cholesky; λ floored at ``10·eps·trace`` and a
-    pseudo-inverse fallback keep singular systems solvable). With every span key kept, no β and
-    ``ridge=0`` it reproduces the span's block output up to rounding.
+    ``X_i = softmax_sel(S_i,sel + β)``; ``C2 = argmin ‖X C2 − Y‖² + λ‖C2 − V_sel‖²``: a ridge
+    toward the kept rows' original values, so directions the probes do not determine keep them.
+    ``λ = ρ · trace(XᵀX) / t`` with ``ρ = ridge`` from two probes per kept key up and
+    ``PEAK_RIDGE_FACTOR · ridge`` at one and below (:func:`relative_ridge`; batched Cholesky, λ
+    floored at ``10·eps·trace`` and a pseudo-inverse fallback keep singular systems solvable).
+    With every span key kept and no β, ``C2 = V_W`` reproduces the span's block output up to
+    rounding for any ridge.
 
     Args:
         keys: cache keys ``[B, T, d]``.
@@ -145,7 +173,7 @@ def fit_values(
             keeps their current bias (``key_bias`` at the kept rows, or 0).
         scale: logit scale (``1/sqrt(d)`` when ``None``).
         key_bias: β already on cache rows ``[B, T]``, part of ``S``.
-        ridge: relative ridge strength ``≥ 0``.
+        ridge: relative ridge strength ``≥ 0`` (``0``: plain least squares).
         query_mask: bool ``[B, n]``, ``False`` on padding probes (several problems with different
             probe counts stacked in one batch): the fit equals that of the real probes alone.
 

@@ -106,3 +106,19 @@ def splice(keys, values, span, new_keys, new_values, key_bias=None, new_bias=Non
 def rel(a, b) -> float:
     """Relative Frobenius error of ``a`` against reference ``b``."""
     return float((a.to(F64) - b.to(F64)).norm() / b.to(F64).norm())
+
+
+def ridge_toward(x, y, prior, ridge: float, n_probes=None):
+    """``argmin_c ‖x c − y‖² + λ‖c − prior‖²`` per problem by least squares on the stacked system
+    ``[x; √λ I] c = [y; √λ prior]`` (float64, no normal equations). ``λ = ρ · trace(xᵀx) / t`` with
+    ``ρ = ridge`` from two probes per kept key up, ``100 · ridge`` at one and below, linear between
+    (``n_probes`` ``[B]``: real probes per problem, default all ``n`` rows of ``x``)."""
+    out = []
+    for b, (xb, yb, pb) in enumerate(zip(x.to(F64), y.to(F64), prior.to(F64))):
+        n, t = xb.shape
+        n = n if n_probes is None else int(n_probes[b])
+        rho = ridge * (1 + 99 * min(1.0, max(0.0, 2 - n / t)))
+        root = math.sqrt(rho * float((xb * xb).sum()) / t)
+        a = torch.cat([xb, root * torch.eye(t, dtype=F64)])
+        out.append(torch.linalg.lstsq(a, torch.cat([yb, root * pb]), driver="gelsd").solution)
+    return torch.stack(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from compaction_reference import F64, gather_rows, logits, make_cache
+from compaction_reference import F64, gather_rows, logits, make_cache, ridge_toward
 from hypothesis import given, settings
 
 from compaction_gym.compaction import COMPACTION_MODES, apply_event, compact
@@ -24,17 +24,13 @@ def _case(seed: int, dtype: torch.dtype, with_bias: bool):
 
 
 def _reference_c2(keys, values, queries, span, indices, beta, key_bias, ridge):
-    """C2 in float64 from the ridge normal equations with absolute β given (``docs/compaction.md``)."""
+    """C2 in float64: the ridge fit toward the kept rows' values with absolute β given (``docs/compaction.md``)."""
     s_all = logits(keys, queries, key_bias=key_bias)
     raw = logits(keys, queries)
     kept = gather_rows(raw.transpose(1, 2), indices).transpose(1, 2) + beta.to(F64)[:, None, :]
-    x = torch.softmax(kept, dim=-1)
     start, end = span
     y = torch.einsum("bij,bjd->bid", torch.softmax(s_all[:, :, start:end], -1), values[:, start:end].to(F64))
-    gram = x.mT @ x
-    lam = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / x.shape[-1]
-    eye = torch.eye(x.shape[-1], dtype=F64)
-    return torch.linalg.solve(gram + lam[:, None, None] * eye, x.mT @ y)
+    return ridge_toward(torch.softmax(kept, dim=-1), y, gather_rows(values.to(F64), indices), ridge)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -78,13 +74,17 @@ def test_recorded_beta_is_used_as_a_constant(seed, with_bias, target):
     keys, values, queries, bias = _case(seed, F64, with_bias)
     keys, values, queries = (x.clone().requires_grad_() for x in (keys, values, queries))
     g = torch.Generator().manual_seed(seed + 2)
-    indices = torch.stack([torch.randperm(32, generator=g)[:target].sort().values + SPAN[0] for _ in range(4)])
+    indices = torch.stack(
+        [torch.randperm(32, generator=g)[:target].sort().values + SPAN[0] for _ in range(4)]
+    )
     beta = (torch.randn(4, target, generator=g) * 2).requires_grad_()
     res = apply_event(
         keys, values, queries, mode="attention_matching", span=SPAN, target=target, compute_beta=True,
         key_bias=bias, ridge=1e-3, indices=indices, beta=beta, differentiable=True,
     )  # fmt: skip
-    ref = _reference_c2(keys.detach(), values.detach(), queries.detach(), SPAN, indices, beta.detach(), bias, 1e-3)
+    ref = _reference_c2(
+        keys.detach(), values.detach(), queries.detach(), SPAN, indices, beta.detach(), bias, 1e-3
+    )
     assert (res.values.detach() - ref).abs().max() <= 1e-8 * max(1.0, ref.abs().max().item())
     assert torch.equal(res.beta, beta.detach()) and not res.beta.requires_grad
     assert torch.equal(res.keys.detach(), gather_rows(keys.detach(), indices))
@@ -97,11 +97,15 @@ def test_selection_modes_replay_without_probes():
     keys, values, queries, bias = _case(3, torch.float32, True)
     for mode in ("h2o", "snapkv", "streaming", "random"):
         ref = compact(keys, values, queries, SPAN, 8, mode=mode, key_bias=bias, seed=1)
-        res = apply_event(keys, values, None, mode=mode, span=SPAN, target=8, key_bias=bias, indices=ref.indices)
+        res = apply_event(
+            keys, values, None, mode=mode, span=SPAN, target=8, key_bias=bias, indices=ref.indices
+        )
         assert torch.equal(res.keys, ref.keys) and torch.equal(res.values, ref.values)
         assert torch.equal(res.beta, ref.beta)
     empty = torch.empty(4, 0, dtype=torch.long)
-    res = apply_event(keys, values, None, mode="markovian", span=SPAN, target=0, indices=empty, differentiable=True)
+    res = apply_event(
+        keys, values, None, mode="markovian", span=SPAN, target=0, indices=empty, differentiable=True
+    )
     assert res.keys.shape == (4, 0, 16) and res.values.shape == (4, 0, 16) and res.beta is None
 
 
@@ -124,7 +128,9 @@ def test_apply_event_refuses_bad_arguments():
     with pytest.raises(InvalidArgumentError, match="compute_beta"):
         apply_event(keys, values, queries, mode="attention_matching", beta=ref.beta, **common)
     with pytest.raises(InvalidArgumentError, match="indices"):
-        apply_event(keys, values, queries, mode="attention_matching", span=SPAN, target=8, differentiable=True)
+        apply_event(
+            keys, values, queries, mode="attention_matching", span=SPAN, target=8, differentiable=True
+        )
     with pytest.raises(InvalidArgumentError, match="beta"):
         apply_event(keys, values, queries, mode="attention_matching", compute_beta=True, beta=ref.beta[:, :3],
                     **common)  # fmt: skip

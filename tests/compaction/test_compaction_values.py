@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compaction_reference import F64, attend, block_output, gather_rows, logits, make_cache, rel
+from compaction_reference import (
+    F64,
+    attend,
+    block_output,
+    gather_rows,
+    logits,
+    make_cache,
+    rel,
+    ridge_toward,
+)
 
 from compaction_gym.compaction import fit_beta, fit_values, select_keys
 from compaction_gym.errors import InvalidArgumentError
@@ -50,8 +59,11 @@ def test_full_target_reproduces_span_values(seed, batch, length, d, n, span):
         torch.testing.assert_close(c2, values[:, span[0] : span[1]], rtol=0, atol=1e-6)
 
 
-def test_matches_reference_ridge_solution():
-    keys, values, queries = make_cache(3, 4, 50, 16, 20)
+@pytest.mark.parametrize("n", [20, 8])
+def test_matches_reference_ridge_solution(n):
+    """C2 is the ridge solution toward the kept rows' original values (float64 least squares on the
+    stacked system), over- (20 probes) and under-determined (8 probes for 8 kept keys)."""
+    keys, values, queries = make_cache(3, 4, 50, 16, n)
     span, ridge = (10, 40), 1e-3
     idx = select_keys(keys, queries, span, 8)
     bias = torch.randn(4, 50, generator=torch.Generator().manual_seed(2), dtype=F64)
@@ -65,13 +77,23 @@ def test_matches_reference_ridge_solution():
         kept = torch.stack([s[b][:, idx[b]] for b in range(4)])
         if new_beta is not None:
             kept = logits(gather_rows(keys, idx), queries) + new_beta[:, None, :]
-        x = torch.softmax(kept, -1)
-        xtx = torch.einsum("bni,bnj->bij", x, x)
-        lam = ridge * torch.einsum("bii->b", xtx) / 8
-        want = torch.linalg.solve(
-            xtx + lam[:, None, None] * torch.eye(8, dtype=F64), torch.einsum("bni,bnd->bid", x, y)
-        )
+        want = ridge_toward(torch.softmax(kept, -1), y, gather_rows(values, idx), ridge)
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_unseen_directions_keep_the_original_values():
+    """Fewer probes than kept keys: in the directions no probe sees (the null space of X), C2 is the
+    kept rows' original values exactly, however small the ridge; a zero prior would put 0 there."""
+    keys, values, queries = make_cache(7, 3, 40, 16, 5)
+    span, t = (4, 36), 12
+    idx = select_keys(keys, queries, span, t)
+    x = torch.softmax(torch.stack([logits(keys, queries)[b][:, idx[b]] for b in range(3)]), -1)
+    null = torch.linalg.svd(x, full_matrices=True).Vh[:, 5:]  # [B, t − n, t]: X u = 0
+    kept = gather_rows(values, idx)
+    for ridge in (1e-6, 1e-4, 1e-1):
+        c2 = fit_values(keys, values, queries, span, idx, ridge=ridge)
+        assert (null @ (c2 - kept)).abs().max() < 1e-12 / ridge  # float64 rounding ÷ λ's scale
+        assert (null @ kept).abs().max() > 0.1  # not trivially zero there
 
 
 def test_duplicate_keys_singular_system_still_reproduces_block_output():
@@ -95,6 +117,30 @@ def test_beta_fitted_values_reproduce_block_output_with_beta():
     c2 = fit_values(keys, values, queries, span, idx, beta=beta, ridge=0.0)
     # 8 probes < 16 kept keys: the block output is matched exactly
     assert _block_error(keys, values, queries, span, idx, c2, beta=beta) <= 1e-8
+
+
+def test_one_probe_per_kept_key_does_not_amplify_rounding(monkeypatch):
+    """At n = t (the interpolation peak) a 1e-7 relative change of K — float32 rounding between a
+    rollout and its replay — moves C2 by less than 5e-7 with the peak ridge; with the plain ridge
+    (``PEAK_RIDGE_FACTOR = 1``) by 3–10× more (float64, so the change is the fit's alone)."""
+    import compaction_gym.compaction.values as values_module
+
+    def moves() -> list[float]:
+        out = []
+        for seed in range(4):
+            keys, values, queries = make_cache(seed, 8, 48, 16, 16)
+            span = (8, 40)
+            idx = select_keys(keys, queries, span, 16)
+            g = torch.Generator().manual_seed(100 + seed)
+            noisy = keys * (1 + 1e-7 * torch.randn(keys.shape, generator=g, dtype=F64))
+            out.append(rel(*(fit_values(k, values, queries, span, idx) for k in (noisy, keys))))
+        return out
+
+    peak = moves()
+    monkeypatch.setattr(values_module, "PEAK_RIDGE_FACTOR", 1.0)
+    plain = moves()
+    assert max(peak) < 5e-7, peak
+    assert sum(plain) > 2 * sum(peak), (plain, peak)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -124,6 +170,24 @@ def test_cholesky_solve_ex_solves_and_flags_what_does_not_factor():
     assert ok.tolist() == [True, True, False, True]
     want = torch.linalg.solve(a, rhs)
     assert rel(sol[ok], want[ok]) < 1e-10
+
+
+def test_ridge_solve_ex_is_the_fast_paths_c2():
+    """The GPU fast path's C2 (``ridge_solve_ex``, no host sync) is the reference ridge solution
+    toward the prior where the system factors, and the prior itself (the kept values) where not."""
+    from compaction_gym.compaction.values import ridge_solve_ex
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.softmax(torch.randn(5, 12, 8, generator=g, dtype=F64), -1)
+    x[:, 9:] = 0  # padding probes in every problem: 9 real probes for 8 keys (the peak ramp)
+    y = torch.randn(5, 12, 4, generator=g, dtype=F64)
+    prior = torch.randn(5, 8, 4, generator=g, dtype=F64)
+    x[3, 0, 0] = float("nan")  # problem 3 does not solve
+    sol, ok, _ = ridge_solve_ex(x, y, prior, 1e-3)
+    assert ok.tolist() == [True, True, True, False, True]
+    assert torch.equal(sol[3], prior[3])
+    want = ridge_toward(x[ok], y[ok], prior[ok], 1e-3, n_probes=[9] * 4)
+    torch.testing.assert_close(sol[ok], want, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("beta", [False, True])

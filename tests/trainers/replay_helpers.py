@@ -25,13 +25,6 @@ MODES = {
 TRIGGERS = {"kv_budget": {"max_kv_len": 64, "compact_window": 32}, "turn": {"n_protect_turns": 1}}
 
 
-def c2_fit_ill_conditioned(mode: str, probes: str, ratio: float) -> bool:
-    """The regime where replay misses the float32 contract (issue 22, docs/grpo.md "Numerics"): a
-    refitted C2 (no β) from 16 *random* probes for 16 kept keys (ratio 0.5 of a 32-row window), a
-    near-singular system that amplifies the rollout-vs-replay rounding to up to 7.7e-4 over 10 events."""
-    return mode == "attention_matching" and probes == "random" and ratio == 0.5
-
-
 def even_tokens(completions, trajectory, **kwargs) -> list[float]:
     """A GRPO reward that differs inside a group (a random model's env reward is ~always 0)."""
     out = []

@@ -10,13 +10,12 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from replay_helpers import (
     MODES,
     SAMPLING,
     TOL,
     TRIGGERS,
-    c2_fit_ill_conditioned,
     max_sampled_diff,
     plain_session,
 )
@@ -45,6 +44,9 @@ def raw_config(mode: str, probes: str, ratio: float, schedule: str = "raw") -> C
 @example(seed=0, mode="attention_matching+beta", probes="suffix", temperature=1.0, ratio=0.25, batched=False)
 @example(seed=1, mode="attention_matching+beta", probes="keys", temperature=2.0, ratio=0.125, batched=True)
 @example(seed=2, mode="h2o", probes="suffix", temperature=2.0, ratio=0.5, batched=True)
+# one random probe per kept key, no β: C2's interpolation peak, once 7.7e-4 off (issue 22; docs/grpo.md)
+@example(seed=2, mode="attention_matching", probes="random", temperature=1.0, ratio=0.5, batched=False)
+@example(seed=1, mode="attention_matching", probes="random", temperature=2.0, ratio=0.5, batched=True)
 @given(
     seed=st.integers(0, 10_000),
     mode=st.sampled_from(list(MODES)),
@@ -56,7 +58,6 @@ def raw_config(mode: str, probes: str, ratio: float, schedule: str = "raw") -> C
 def test_replay_matches_a_raw_schedule_rollout(
     engine, model, seed, mode, probes, temperature, ratio, batched
 ):
-    assume(not c2_fit_ill_conditioned(mode, probes, ratio))  # pinned below as a known gap
     sampling = SAMPLING.replace(temperature=temperature)
     view = plain_session(engine, raw_config(mode, probes, ratio), seed=seed, sampling=sampling, turns=TURNS)
     starts = [e.span[0] for e in view.events]
@@ -78,14 +79,3 @@ def test_replay_matches_a_raw_schedule_rollout(
     )
     for lp, v in zip(out.logprobs, (view, other)):
         assert max_sampled_diff(lp, v) < TOL
-
-
-@pytest.mark.xfail(strict=True, reason="known gap (issue 22): an ill-conditioned C2 refit amplifies rounding")
-@pytest.mark.parametrize("schedule", ["prompt", "raw"])
-def test_known_gap_c2_refit_from_random_probes_at_one_probe_per_key(engine, model, schedule):
-    """Both schedules miss the contract in :func:`c2_fit_ill_conditioned`'s regime (measured 2.5e-4
-    raw / 7.7e-4 prompt at seed 2 with ratio 0.5); strict: fixing the fit makes this test fail, so
-    the exclusion above goes with it."""
-    cfg = raw_config("attention_matching", "random", 0.5, schedule)
-    view = plain_session(engine, cfg, seed=2, sampling=SAMPLING.replace(temperature=1.0), turns=TURNS)
-    assert max_sampled_diff(replay_logprobs(model, view, temperature=1.0), view) < TOL

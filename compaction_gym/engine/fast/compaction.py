@@ -16,10 +16,11 @@ all layers × KV heads at once, without materialising the probe × key logits:
    :func:`~compaction_gym.compaction.beta.beta_weights`), solved on the Gram matrix ``AᵀA`` (one
    batched product, bf16 operands for half-precision caches) by a fixed number of box-projected
    FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
-   factorisation, no host sync); C2 solves the package's ridge normal equations by a batched
-   Cholesky factor and two triangular solves, also without a host sync: a problem that does not
-   factor (never seen with the ridge floor) keeps its selected rows' values instead of the
-   reference's pseudo-inverse fallback.
+   factorisation, no host sync); C2 is the package's own solve without a host sync
+   (:func:`~compaction_gym.compaction.values.ridge_solve_ex`: ridge toward the kept rows' values,
+   a batched Cholesky factor and two triangular solves): a problem that does not factor (never
+   seen with the ridge floor) keeps its selected rows' values instead of the reference's
+   pseudo-inverse fallback.
 
 Products of bf16 keys and queries are exact in the kernels' float32 accumulators, so the scores
 match the reference's float32 scores to rounding. Other modes, CPU tensors and machines without
@@ -41,7 +42,7 @@ from compaction_gym.compaction.beta import (
     keep_if_better,
     regularised_system,
 )
-from compaction_gym.compaction.values import cholesky_solve_ex, ridge_system
+from compaction_gym.compaction.values import ridge_solve_ex
 from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
 
@@ -86,10 +87,38 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
         mmask = offs_m < n
-        q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        q = tl.load(
+            Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0
+        )
         # keys outside the span: log-sum-exp only
-        m_o, l_o = _lse_range(q, K + b * stride_kb, KB + b * stride_kbb, stride_kt, 0, s, scale_log2, HAS_BIAS, BLOCK_M, BLOCK_N, D, IEEE)
-        m_2, l_2 = _lse_range(q, K + b * stride_kb, KB + b * stride_kbb, stride_kt, e, T, scale_log2, HAS_BIAS, BLOCK_M, BLOCK_N, D, IEEE)
+        m_o, l_o = _lse_range(
+            q,
+            K + b * stride_kb,
+            KB + b * stride_kbb,
+            stride_kt,
+            0,
+            s,
+            scale_log2,
+            HAS_BIAS,
+            BLOCK_M,
+            BLOCK_N,
+            D,
+            IEEE,
+        )
+        m_2, l_2 = _lse_range(
+            q,
+            K + b * stride_kb,
+            KB + b * stride_kbb,
+            stride_kt,
+            e,
+            T,
+            scale_log2,
+            HAS_BIAS,
+            BLOCK_M,
+            BLOCK_N,
+            D,
+            IEEE,
+        )
         m_x = tl.maximum(m_o, m_2)
         m_x = tl.where(m_x == float("-inf"), 0.0, m_x)
         l_o = l_o * tl.exp2(m_o - m_x) + l_2 * tl.exp2(m_2 - m_x)
@@ -101,7 +130,11 @@ if HAS_TRITON:
         for t0 in range(s, e, BLOCK_N):
             cols = t0 + offs_n
             cmask = cols < e
-            k = tl.load(K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0)
+            k = tl.load(
+                K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None],
+                mask=cmask[None, :],
+                other=0.0,
+            )
             st = mma(q, k, IEEE) * scale_log2
             if HAS_BIAS:
                 st += tl.load(KB + b * stride_kbb + cols, mask=cmask, other=0.0)[None, :] * 1.4426950408889634
@@ -109,7 +142,11 @@ if HAS_TRITON:
             m_new = tl.maximum(m_s, tl.max(st, axis=1))
             p = tl.exp2(st - m_new[:, None])
             alpha = tl.exp2(m_s - m_new)
-            v = tl.load(V + b * stride_vb + cols[:, None] * stride_vt + offs_d[None, :], mask=cmask[:, None], other=0.0)
+            v = tl.load(
+                V + b * stride_vb + cols[:, None] * stride_vt + offs_d[None, :],
+                mask=cmask[:, None],
+                other=0.0,
+            )
             pv = mma(p.to(v.dtype), v, IEEE)
             acc = acc * alpha[:, None] + pv
             l_s = l_s * alpha + tl.sum(p, axis=1)
@@ -136,7 +173,9 @@ if HAS_TRITON:
         cols = s + cb * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < e
         offs_d = tl.arange(0, D)
-        k = tl.load(K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0)
+        k = tl.load(
+            K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0
+        )
         bias = tl.zeros([BLOCK_N], tl.float32)
         if HAS_BIAS:
             bias = tl.load(KB + b * stride_kbb + cols, mask=cmask, other=0.0) * 1.4426950408889634
@@ -144,7 +183,11 @@ if HAS_TRITON:
         for m0 in range(0, n, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             mmask = offs_m < n
-            q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0)
+            q = tl.load(
+                Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=mmask[:, None],
+                other=0.0,
+            )
             st = mma(q, k, IEEE) * scale_log2
             lse2 = tl.load(LSE_ALL + b * n + offs_m, mask=mmask, other=0.0) * 1.4426950408889634
             a = tl.exp2(2.0 * (st + bias[None, :] - lse2[:, None]))
@@ -213,7 +256,9 @@ def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return design.mT @ design, design.sum(1)
 
 
-def fast_beta_weights(biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS) -> torch.Tensor:
+def fast_beta_weights(
+    biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS
+) -> torch.Tensor:
     """β's relative weights ``w [B, t]`` (float32) from the kept keys' biased logits ``[B, n, t]`` and the
     probes' span log-sum-exp ``[B, n]``: the package's regularised fit
     (:func:`~compaction_gym.compaction.beta.beta_weights`) solved by box-projected FISTA, no host sync.
@@ -300,8 +345,7 @@ def compact_fast(
     else:
         x = torch.softmax(biased, dim=-1)
     gather = indices[:, :, None].expand(-1, -1, d)
-    fitted, ok = cholesky_solve_ex(*ridge_system(x, y, ridge)[:2])
-    # no host sync: a problem whose normal equations do not factor keeps its selected rows' values
-    fitted = torch.where(ok[:, None, None], fitted.to(values.dtype), torch.gather(values, 1, gather))
+    # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values
+    fitted = ridge_solve_ex(x, y, torch.gather(values, 1, gather).to(x.dtype), ridge)[0].to(values.dtype)
     kept_keys = torch.gather(keys, 1, gather)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)
