@@ -87,38 +87,10 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
         mmask = offs_m < n
-        q = tl.load(
-            Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0
-        )
+        q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0)
         # keys outside the span: log-sum-exp only
-        m_o, l_o = _lse_range(
-            q,
-            K + b * stride_kb,
-            KB + b * stride_kbb,
-            stride_kt,
-            0,
-            s,
-            scale_log2,
-            HAS_BIAS,
-            BLOCK_M,
-            BLOCK_N,
-            D,
-            IEEE,
-        )
-        m_2, l_2 = _lse_range(
-            q,
-            K + b * stride_kb,
-            KB + b * stride_kbb,
-            stride_kt,
-            e,
-            T,
-            scale_log2,
-            HAS_BIAS,
-            BLOCK_M,
-            BLOCK_N,
-            D,
-            IEEE,
-        )
+        m_o, l_o = _lse_range(q, K + b * stride_kb, KB + b * stride_kbb, stride_kt, 0, s, scale_log2, HAS_BIAS, BLOCK_M, BLOCK_N, D, IEEE)
+        m_2, l_2 = _lse_range(q, K + b * stride_kb, KB + b * stride_kbb, stride_kt, e, T, scale_log2, HAS_BIAS, BLOCK_M, BLOCK_N, D, IEEE)
         m_x = tl.maximum(m_o, m_2)
         m_x = tl.where(m_x == float("-inf"), 0.0, m_x)
         l_o = l_o * tl.exp2(m_o - m_x) + l_2 * tl.exp2(m_2 - m_x)
@@ -130,11 +102,7 @@ if HAS_TRITON:
         for t0 in range(s, e, BLOCK_N):
             cols = t0 + offs_n
             cmask = cols < e
-            k = tl.load(
-                K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None],
-                mask=cmask[None, :],
-                other=0.0,
-            )
+            k = tl.load(K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0)
             st = mma(q, k, IEEE) * scale_log2
             if HAS_BIAS:
                 st += tl.load(KB + b * stride_kbb + cols, mask=cmask, other=0.0)[None, :] * 1.4426950408889634
@@ -142,11 +110,7 @@ if HAS_TRITON:
             m_new = tl.maximum(m_s, tl.max(st, axis=1))
             p = tl.exp2(st - m_new[:, None])
             alpha = tl.exp2(m_s - m_new)
-            v = tl.load(
-                V + b * stride_vb + cols[:, None] * stride_vt + offs_d[None, :],
-                mask=cmask[:, None],
-                other=0.0,
-            )
+            v = tl.load(V + b * stride_vb + cols[:, None] * stride_vt + offs_d[None, :], mask=cmask[:, None], other=0.0)
             pv = mma(p.to(v.dtype), v, IEEE)
             acc = acc * alpha[:, None] + pv
             l_s = l_s * alpha + tl.sum(p, axis=1)
@@ -173,9 +137,7 @@ if HAS_TRITON:
         cols = s + cb * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < e
         offs_d = tl.arange(0, D)
-        k = tl.load(
-            K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0
-        )
+        k = tl.load(K + b * stride_kb + cols[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0)
         bias = tl.zeros([BLOCK_N], tl.float32)
         if HAS_BIAS:
             bias = tl.load(KB + b * stride_kbb + cols, mask=cmask, other=0.0) * 1.4426950408889634
@@ -183,11 +145,7 @@ if HAS_TRITON:
         for m0 in range(0, n, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             mmask = offs_m < n
-            q = tl.load(
-                Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :],
-                mask=mmask[:, None],
-                other=0.0,
-            )
+            q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0)
             st = mma(q, k, IEEE) * scale_log2
             lse2 = tl.load(LSE_ALL + b * n + offs_m, mask=mmask, other=0.0) * 1.4426950408889634
             a = tl.exp2(2.0 * (st + bias[None, :] - lse2[:, None]))
@@ -256,9 +214,7 @@ def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return design.mT @ design, design.sum(1)
 
 
-def fast_beta_weights(
-    biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS
-) -> torch.Tensor:
+def fast_beta_weights(biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS) -> torch.Tensor:
     """β's relative weights ``w [B, t]`` (float32) from the kept keys' biased logits ``[B, n, t]`` and the
     probes' span log-sum-exp ``[B, n]``: the package's regularised fit
     (:func:`~compaction_gym.compaction.beta.beta_weights`) solved by box-projected FISTA, no host sync.
