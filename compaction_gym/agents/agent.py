@@ -9,6 +9,10 @@ compaction triggers (KV-budget and turn-based) still fire.
 Everything is recorded in :attr:`~CompactionAgent.trajectory`.
 
 :func:`act_batch` steps many agents that share one backend with a single ``step_batch`` call.
+A caller that schedules turns itself (the continuous rollouts of
+:func:`~compaction_gym.agents.run_episodes`) splits a turn in two: :meth:`~CompactionAgent.request`
+builds it, :meth:`~CompactionAgent.record` consumes the backend's result; ``act_batch`` is the same
+two calls around one ``step_batch``.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class CompactionAgent:
         self._traj: Trajectory | None = None
         self._session_seed: int | None = None
         self._tail = ""  # text of the stop token that ended the last output (part of the template's closing)
+        self._asked: _Plan | None = None  # the turn built by request(), awaiting its result
         self._episodes = 0
         self._t0 = 0.0
 
@@ -151,6 +156,7 @@ class CompactionAgent:
             )
         self._episodes += 1
         self._tail = ""
+        self._asked = None
         self._t0 = time.perf_counter()
         self._traj = Trajectory(
             compaction=self.compaction.to_dict(),
@@ -185,6 +191,30 @@ class CompactionAgent:
         format's ``format_action(action)``), which is also what the env should receive.
         """
         return act_batch([self], [observation], [action])[0]
+
+    def request(self, observation: str, action: str | None = None) -> StepRequest:
+        """The backend request of the next turn, for callers that submit turns themselves.
+
+        :meth:`act` (``action=None``) or :meth:`force` split in two: send the returned request to
+        the backend (``step_batch``, or ``submit`` then ``advance``), then pass its result to
+        :meth:`record`. A request the backend refused may be built again. For single-step envs
+        (no instruction) this opens the session first.
+        """
+        plan, req = self._request(observation, action)
+        self._asked = plan
+        return req
+
+    def record(self, result: StepResult) -> str:
+        """Take the backend's result of the last :meth:`request` into the trajectory; returns the
+        action text (what :meth:`act` / :meth:`force` return)."""
+        if self._asked is None:
+            raise InvalidArgumentError("record() takes the result of a request(): call request() first")
+        if result.session_id != self.session_id:
+            raise InvalidArgumentError(
+                f"record() got the result of session {result.session_id!r}, this agent's is {self.session_id!r}"
+            )
+        plan, self._asked = self._asked, None
+        return self._record(plan, result)
 
     def observe(self, reward: float, info: dict[str, Any] | None = None) -> None:
         """Attach the env's reward (and the executed action, from ``info``) to the last turn."""
@@ -382,14 +412,16 @@ def act_batch(
     if len({id(a) for a in agents}) != len(agents):
         raise InvalidArgumentError("act_batch got the same agent twice")
     actions = list(actions) if actions is not None else [None] * len(agents)
-    calls = [agent._request(obs, action) for agent, obs, action in zip(agents, observations, actions)]
+    requests = [agent.request(obs, action) for agent, obs, action in zip(agents, observations, actions)]
     backend = agents[0].backend
-    if len(calls) == 1:
-        req = calls[0][1]
-        results = [backend.step(req.session_id, req.new_ids, req.sampling, response_complete=req.response_complete)]
+    if len(requests) == 1:
+        req = requests[0]
+        results = [
+            backend.step(req.session_id, req.new_ids, req.sampling, response_complete=req.response_complete)
+        ]
     else:
-        results = backend.step_batch([req for _, req in calls])
-    return [agent._record(plan, result) for agent, (plan, _), result in zip(agents, calls, results)]
+        results = backend.step_batch(requests)
+    return [agent.record(result) for agent, result in zip(agents, results)]
 
 
 def _eos_ids(backend: Backend, tokenizer: Any) -> tuple[int, ...]:

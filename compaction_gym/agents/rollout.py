@@ -1,10 +1,19 @@
-"""Episodes: one agent on one env (:func:`run_episode`), or many in lockstep (:func:`run_episodes`).
+"""Episodes: one agent on one env (:func:`run_episode`), or many on one backend (:func:`run_episodes`).
 
-:func:`run_episodes` is continuous batching at the turn level: ``W`` workers (env + agent pairs
-sharing one backend) play a queue of seeds; every turn all active agents act through a single
-``backend.step_batch``, and a worker whose episode ends starts the next seed at once. Each
-session has its own RNG stream seeded from the episode seed, so the trajectories equal running
-the same seeds one by one with :func:`run_episode`.
+:func:`run_episodes`: ``W`` workers (env + agent pairs sharing one backend) play a queue of seeds,
+and a worker whose episode ends starts the next seed at once. Two schedules (docs/agents.md,
+"Batching"):
+
+* **continuous** (on a :class:`~compaction_gym.backends.ContinuousBackend`, the default there):
+  each worker's turn is submitted as soon as its env has stepped, and the backend advances
+  everything in flight one decode round at a time, so an episode never waits for the others'
+  replies;
+* **lock-step** (any backend): every turn all active agents act through one ``step_batch``, which
+  lasts as long as the longest reply.
+
+Each session has its own RNG stream seeded from the episode seed, and a backend's results do not
+depend on what ran beside them, so both schedules give the trajectories of running the same seeds
+one by one with :func:`run_episode`.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import gymnasium as gym
 
 from compaction_gym.agents.agent import CompactionAgent, act_batch
 from compaction_gym.agents.trajectory import Trajectory
+from compaction_gym.backends import Backend, ContinuousBackend
+from compaction_gym.engine.types import StepRequest
 from compaction_gym.errors import CapacityError, InvalidArgumentError
 
 #: ``teacher(env) -> action``: forces the action of each turn (e.g. the BabyAI expert bot).
@@ -79,8 +90,10 @@ def run_episodes(
     options: dict[str, Any] | None = None,
     teacher: Teacher | None = None,
     on_episode: Callable[[int, Trajectory], None] | None = None,
+    continuous: bool | None = None,
+    round_steps: int = 1,
 ) -> list[Trajectory]:
-    """Play ``len(seeds)`` episodes on ``len(envs)`` workers with one ``step_batch`` per turn.
+    """Play ``len(seeds)`` episodes on ``len(envs)`` workers that share one backend.
 
     Args:
         envs: one env per worker.
@@ -89,9 +102,22 @@ def run_episodes(
         options: passed to every ``env.reset``.
         teacher: force every action with ``teacher(env)`` (see :func:`run_episode`).
         on_episode: called as ``on_episode(index, trajectory)`` when episode ``index`` ends.
+        continuous: ``None`` (default): each episode advances on its own where the backend is a
+            :class:`~compaction_gym.backends.ContinuousBackend`, else lock-step; ``True``: require
+            it; ``False``: lock-step (one ``step_batch`` per turn across the workers).
+        round_steps: continuous mode only: decode steps per ``advance`` round, i.e. how long a
+            finished reply may wait before its env steps (1: none; more: fewer host round trips).
 
     Returns:
-        The trajectories in the order of ``seeds``.
+        The trajectories in the order of ``seeds`` (equal in both schedules: the backend's
+        results do not depend on what ran beside them). With agents of different configurations
+        and more seeds than workers, which agent plays which seed depends on when workers free
+        up, which differs between the schedules.
+
+    Raises:
+        InvalidArgumentError: mismatched ``envs``/``agents``, agents on different backends, a bad
+            ``continuous`` or ``round_steps``, or ``continuous=True`` on a backend without
+            ``submit``/``advance``.
 
     Example:
         >>> envs = [gym.make("AttnMatch-BabyAI-GoTo-v0") for _ in range(4)]  # doctest: +SKIP
@@ -102,46 +128,165 @@ def run_episodes(
         raise InvalidArgumentError(
             f"run_episodes needs as many agents as envs (>= 1), got {len(envs)} and {len(agents)}"
         )
-    queue = deque(enumerate(seeds))
-    results: list[Trajectory | None] = [None] * len(queue)
-    # per worker: (episode index, seed, current observation, last info) or None when idle
-    state: list[list[Any] | None] = [None] * len(envs)
+    backend = agents[0].backend
+    if any(a.backend is not backend for a in agents):
+        raise InvalidArgumentError("run_episodes needs agents that share one backend object")
+    if continuous is not None and not isinstance(continuous, bool):
+        raise InvalidArgumentError(f"continuous must be True, False or None, got {continuous!r}")
+    if isinstance(round_steps, bool) or not isinstance(round_steps, int) or round_steps < 1:
+        raise InvalidArgumentError(f"round_steps must be a positive int, got {round_steps!r}")
+    supported = isinstance(backend, ContinuousBackend)
+    if continuous and not supported:
+        raise InvalidArgumentError(
+            f"continuous=True needs a backend with submit/advance (a ContinuousBackend, e.g. LocalBackend); "
+            f"{type(backend).__name__} has none: pass continuous=False or None (lock-step)"
+        )
+    workers = _Workers(envs, agents, seeds, options, on_episode)
+    if supported and continuous is not False:
+        _play_continuous(workers, backend, teacher, round_steps)
+    else:
+        _play_lockstep(workers, teacher)
+    return workers.results  # type: ignore[return-value]
 
-    def start(w: int) -> None:
-        state[w] = None
-        if not queue:
-            return
-        index, seed = queue.popleft()
-        obs, info = envs[w].reset(seed=seed, options=options)
-        agents[w].reset(info.get("instruction"), seed=seed, env_id=env_id_of(envs[w]))
-        state[w] = [index, obs, info]
 
-    def end(w: int, info: dict[str, Any]) -> None:
-        index = state[w][0]
-        traj = agents[w].finish(info)
-        agents[w].close()
-        results[index] = traj
-        if on_episode is not None:
-            on_episode(index, traj)
-        start(w)
+class _Workers:
+    """The seed queue, each worker's current episode, and the results (both schedules share it)."""
 
-    for w in range(len(envs)):
-        start(w)
-    while any(s is not None for s in state):
-        active = [w for w in range(len(envs)) if state[w] is not None]
-        forced = [teacher(envs[w]) for w in active] if teacher is not None else None
-        texts = _act_all([agents[w] for w in active], [state[w][1] for w in active], forced)
+    def __init__(
+        self,
+        envs: Sequence[gym.Env],
+        agents: Sequence[CompactionAgent],
+        seeds: Sequence[int | None],
+        options: dict[str, Any] | None,
+        on_episode: Callable[[int, Trajectory], None] | None,
+    ) -> None:
+        self.envs, self.agents = list(envs), list(agents)
+        self.options, self.on_episode = options, on_episode
+        self.queue = deque(enumerate(seeds))
+        self.results: list[Trajectory | None] = [None] * len(self.queue)
+        # per worker: [episode index, current observation, last info], or None when idle
+        self.state: list[list[Any] | None] = [None] * len(envs)
+        for w in range(len(envs)):
+            self.start(w)
+
+    def active(self) -> list[int]:
+        return [w for w, s in enumerate(self.state) if s is not None]
+
+    def start(self, w: int) -> bool:
+        """Start the next queued seed on worker ``w``; whether there was one."""
+        self.state[w] = None
+        if not self.queue:
+            return False
+        index, seed = self.queue.popleft()
+        env = self.envs[w]
+        obs, info = env.reset(seed=seed, options=self.options)
+        self.agents[w].reset(info.get("instruction"), seed=seed, env_id=env_id_of(env))
+        self.state[w] = [index, obs, info]
+        return True
+
+    def request(self, w: int, teacher: Teacher | None) -> StepRequest:
+        """Worker ``w``'s next turn, for the backend."""
+        forced = teacher(self.envs[w]) if teacher is not None else None
+        return self.agents[w].request(self.state[w][1], forced)
+
+    def take(self, w: int, text: str) -> bool:
+        """Step ``w``'s env with the agent's ``text``; whether ``w`` has a next turn (this or a new episode)."""
+        obs, reward, terminated, truncated, info = self.envs[w].step(text)
+        self.agents[w].observe(reward, info)
+        self.state[w][1:] = [obs, info]
+        if terminated or truncated:
+            return self.end(w, {**info, "terminated": bool(terminated), "truncated": bool(truncated)})
+        return True
+
+    def abort(self, w: int, exc: CapacityError) -> bool:
+        """Stop ``w``'s episode where the backend refused it; whether ``w`` starts another."""
+        self.agents[w].abort(f"CapacityError: {exc}")
+        return self.end(w, {**self.state[w][2], "terminated": False, "truncated": False})
+
+    def end(self, w: int, info: dict[str, Any]) -> bool:
+        index = self.state[w][0]
+        traj = self.agents[w].finish(info)
+        self.agents[w].close()
+        self.results[index] = traj
+        if self.on_episode is not None:
+            self.on_episode(index, traj)
+        return self.start(w)
+
+
+def _play_lockstep(workers: _Workers, teacher: Teacher | None) -> None:
+    """Every turn, all active workers act through one ``step_batch``."""
+    while active := workers.active():
+        forced = [teacher(workers.envs[w]) for w in active] if teacher is not None else None
+        texts = _act_all([workers.agents[w] for w in active], [workers.state[w][1] for w in active], forced)
         for w, text in zip(active, texts):
             if isinstance(text, CapacityError):
-                agents[w].abort(f"CapacityError: {text}")
-                end(w, {**state[w][2], "terminated": False, "truncated": False})
-                continue
-            obs, reward, terminated, truncated, info = envs[w].step(text)
-            agents[w].observe(reward, info)
-            state[w][1:] = [obs, info]
-            if terminated or truncated:
-                end(w, {**info, "terminated": bool(terminated), "truncated": bool(truncated)})
-    return results  # type: ignore[return-value]
+                workers.abort(w, text)
+            else:
+                workers.take(w, text)
+
+
+def _play_continuous(
+    workers: _Workers, backend: ContinuousBackend, teacher: Teacher | None, round_steps: int
+) -> None:
+    """Each worker's turn is submitted as soon as its env has stepped; one decode round per ``advance``."""
+    in_flight: dict[str, int] = {}  # session id -> worker
+    ready = workers.active()
+    while ready or in_flight:
+        if ready:  # workers whose episode was refused and who started another are submitted again
+            ready = _submit(workers, backend, ready, teacher, in_flight)
+            continue
+        for result in backend.advance(round_steps):
+            w = in_flight.pop(result.session_id)
+            if workers.take(w, workers.agents[w].record(result)):
+                ready.append(w)
+
+
+def _submit(
+    workers: _Workers,
+    backend: Backend,
+    ready: list[int],
+    teacher: Teacher | None,
+    in_flight: dict[str, int],
+) -> list[int]:
+    """Submit the turns of ``ready`` in one call; a turn refused for capacity aborts its episode.
+
+    Returns the workers that started a new episode after such an abort (their first turn is not
+    submitted yet).
+    """
+    todo: list[tuple[int, StepRequest]] = []
+    restarted: list[int] = []
+    for w in ready:
+        try:  # a single-step env's session is created here: no free slot is a refusal too
+            todo.append((w, workers.request(w, teacher)))
+        except CapacityError as exc:
+            if workers.abort(w, exc):
+                restarted.append(w)
+    while todo:
+        try:
+            ids = backend.submit([req for _, req in todo])
+        except CapacityError as exc:  # atomic: nothing was submitted; drop the request it names
+            i = getattr(exc, "request_index", None)
+            if i is None and len(todo) > 1:  # not told which: one at a time
+                for w, req in todo:
+                    restarted += _submit_one(workers, backend, w, req, in_flight)
+                return restarted
+            w, _ = todo.pop(i or 0)
+            if workers.abort(w, exc):
+                restarted.append(w)
+            continue
+        in_flight.update(zip(ids, (w for w, _ in todo)))
+        break
+    return restarted
+
+
+def _submit_one(
+    workers: _Workers, backend: Backend, w: int, req: StepRequest, in_flight: dict[str, int]
+) -> list[int]:
+    try:
+        in_flight[backend.submit([req])[0]] = w
+    except CapacityError as exc:
+        return [w] if workers.abort(w, exc) else []
+    return []
 
 
 def _act_all(

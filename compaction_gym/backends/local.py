@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 
 class LocalBackend:
-    """The embedded engine, in process (the default backend).
+    """The embedded engine, in process (the default backend), a
+    :class:`~compaction_gym.backends.protocol.ContinuousBackend`.
 
     Args:
         engine: a :class:`compaction_gym.engine.Engine`.
@@ -65,7 +66,9 @@ class LocalBackend:
         session_id: str | None = None,
         score_input: bool = False,
     ) -> StepResult:
-        return self.engine.create_session(prompt_ids, config, sampling, session_id=session_id, score_input=score_input)
+        return self.engine.create_session(
+            prompt_ids, config, sampling, session_id=session_id, score_input=score_input
+        )
 
     def step(
         self,
@@ -82,6 +85,14 @@ class LocalBackend:
 
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:
         return self.engine.step_batch(requests)
+
+    def submit(self, requests: list[StepRequest | CreateRequest]) -> list[str]:
+        """Admit requests into the running work (``Engine.submit``; continuous batching)."""
+        return self.engine.submit(requests)
+
+    def advance(self, max_steps: int | None = None) -> list[StepResult]:
+        """One decode round; the results of the requests it finished (``Engine.advance``)."""
+        return self.engine.advance(max_steps)
 
     def close(self, session_id: str) -> None:
         self.engine.close(session_id)

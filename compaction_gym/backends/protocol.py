@@ -75,3 +75,25 @@ class Backend(Protocol):
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]: ...
 
     def close(self, session_id: str) -> None: ...
+
+
+@runtime_checkable
+class ContinuousBackend(Backend, Protocol):
+    """A :class:`Backend` with continuous batching: requests join running work between decode rounds.
+
+    The verbs mirror :meth:`compaction_gym.engine.Engine.submit` and
+    :meth:`~compaction_gym.engine.Engine.advance` (docs/engine.md, "Continuous batching"):
+
+    * ``submit(requests)`` validates as ``step_batch`` does (atomic; a typed error carries the
+      offending ``request_index``), feeds the inputs and returns the requests' session ids;
+    * ``advance(max_steps=None)`` runs one decode round (at most ``max_steps`` tokens per request)
+      over everything running and returns the results of the requests it finished, which equal
+      ``step_batch`` of the same requests however they were split into rounds.
+
+    :func:`~compaction_gym.agents.run_episodes` lets each episode advance on its own on such a
+    backend; on any other it plays in lock-step (one ``step_batch`` per turn).
+    """
+
+    def submit(self, requests: list[StepRequest | CreateRequest]) -> list[str]: ...
+
+    def advance(self, max_steps: int | None = None) -> list[StepResult]: ...

@@ -218,13 +218,16 @@ class Scheduler:
         """Feed every work's input, generate its response, apply triggers; one result per work.
 
         Work already in flight (:meth:`begin` without the matching :meth:`advance` rounds) is
-        advanced too; its results are kept for the next :meth:`advance`.
+        advanced too; its results are kept for the next :meth:`advance`. Works that generate
+        nothing (``max_new_tokens=0``: a create, a teacher-forced turn) run no decode round, so
+        they never advance the work in flight.
         """
         self.begin(works)
         mine = {id(w) for w in works}
         results: dict[int, StepResult] = {}
         while len(results) < len(works):
-            for w, r in self.advance():
+            generating = any(w.finish is None for w in works)
+            for w, r in self.advance(decode=generating):
                 if id(w) in mine:
                     results[id(w)] = r
                 else:
@@ -257,17 +260,18 @@ class Scheduler:
                 s.last_response = (len(s.token_ids), len(s.token_ids))
         self.running += works
 
-    def advance(self, max_steps: int | None = None) -> list[tuple[Work, StepResult]]:
+    def advance(self, max_steps: int | None = None, *, decode: bool = True) -> list[tuple[Work, StepResult]]:
         """One decode round over :attr:`running`; the works that finished, with their results.
 
         A round samples, feeds budget messages and runs one decode chunk of at most
         ``max_steps`` (default ``runner.chunk_steps``) tokens per row. What a row does in a round
         depends on that row alone, so results do not depend on which rounds a work shared with
-        which others (docs/engine.md, "Continuous batching").
+        which others (docs/engine.md, "Continuous batching"). ``decode=False`` only collects the
+        works that are already finished.
         """
         out, self.held = self.held, []
         active = [w for w in self.running if w.finish is None]
-        if active:
+        if active and decode:
             self._decode_round(active, self.runner.chunk_steps if max_steps is None else max_steps)
         done = [w for w in self.running if w.finish is not None]
         if not done:
@@ -354,7 +358,9 @@ class Scheduler:
             for w in todo:
                 s = w.session
                 chunk = s.pending[: self.prefill_chunk]
-                feeds.append(RowFeed(s.slot, chunk, s.fed, s.probes, score=self._scores_input(w, s.fed, len(chunk))))
+                feeds.append(
+                    RowFeed(s.slot, chunk, s.fed, s.probes, score=self._scores_input(w, s.fed, len(chunk)))
+                )
             logits = self.runner.forward(feeds)
             for i, (w, f) in enumerate(zip(todo, feeds)):
                 if f.score:
@@ -396,7 +402,9 @@ class Scheduler:
         holding = [w for w in active if w.logits is not None]
         if holding:
             tokens, logprobs = sample(
-                torch.stack([w.logits for w in holding]), [w.params for w in holding], [w.stream for w in holding]
+                torch.stack([w.logits for w in holding]),
+                [w.params for w in holding],
+                [w.stream for w in holding],
             )
             for w, tok, lp in zip(holding, tokens, logprobs):
                 w.logits = None

@@ -3,8 +3,8 @@
 :class:`EnvRollouts` owns an :class:`~compaction_gym.engine.Engine` built *on the policy module
 itself* (no copy: generation always reads the current weights, LoRA adapters included, so there
 is nothing to sync after an optimizer step), a pool of env instances per env key, and plays
-:class:`EpisodeSpec` s with :func:`~compaction_gym.agents.run_episodes` (one ``step_batch`` per
-turn across all episodes, each with its own sampling seed). :func:`rollout_batch` turns the
+:class:`EpisodeSpec` s with :func:`~compaction_gym.agents.run_episodes` (each with its own sampling
+seed; by default continuously batched: every episode advances on its own, docs/grpo.md). :func:`rollout_batch` turns the
 resulting :class:`~compaction_gym.agents.Trajectory` s into TRL's ``rollout_func`` contract.
 
 The policy is shared with a trainer, so every engine call runs inside :meth:`EnvRollouts.generating`:
@@ -134,6 +134,9 @@ class EnvRollouts:
         fast: the engine's GPU fast path (``False``: the generic path; ``None``: auto). The fast
             path re-points the model's q/k/v and gate/up parameters into packed matrices (shared
             storage, so weights stay in sync).
+        continuous: each episode advances on its own (its next turn is submitted as soon as its
+            env has stepped); ``False``: lock-step, one ``step_batch`` per turn across the
+            episodes. The trajectories are the same (``run_episodes``).
         model_name: recorded in trajectories.
 
     Example:
@@ -158,8 +161,12 @@ class EnvRollouts:
         max_slots: int = 8,
         capacity: int | None = None,
         fast: bool | None = False,
+        continuous: bool = True,
         model_name: str | None = None,
     ) -> None:
+        if not isinstance(continuous, bool):
+            raise InvalidArgumentError(f"continuous must be a bool, got {continuous!r}")
+        self.continuous = continuous
         self.envs = resolve_envs(envs, env_kwargs, prompt_format=prompt if isinstance(prompt, str) else None)
         self.model = unwrap(model)
         self.tokenizer = tokenizer
@@ -189,7 +196,7 @@ class EnvRollouts:
             self.model.train(training)
 
     def run(self, specs: Sequence[EpisodeSpec]) -> list[Trajectory]:
-        """Play ``specs`` (in chunks of ``max_slots``, one ``step_batch`` per turn); trajectories in order.
+        """Play ``specs`` (in chunks of ``max_slots``, see ``continuous``); trajectories in order.
 
         Episodes the engine cannot hold stop early with ``info["aborted"]`` (see ``run_episodes``).
         """
@@ -205,7 +212,7 @@ class EnvRollouts:
                 chunk = specs[start : start + size]
                 envs = self._envs([s.env for s in chunk])
                 agents = [self._agent(s) for s in chunk]
-                out += run_episodes(envs, agents, [s.seed for s in chunk])
+                out += run_episodes(envs, agents, [s.seed for s in chunk], continuous=self.continuous)
         for listener in self.listeners:
             listener(out)
         return out

@@ -103,6 +103,14 @@ class CompactionGRPOConfig(GRPOConfig):
             "policy's q/k/v and gate/up parameters into packed matrices (shared storage); not with PEFT."
         },
     )
+    engine_continuous: bool = field(
+        default=True,
+        metadata={
+            "help": "Rollout episodes advance independently (continuous batching: an episode's next turn is "
+            "submitted as soon as its env has stepped, not when the whole batch's replies are done). False: "
+            "lock-step, one batched engine step per turn. Same trajectories either way."
+        },
+    )
     # -- defaults changed from GRPOConfig ---------------------------------------------------------
     # spelled as TrainingArguments spells it: HfArgumentParser special-cases this exact union
     report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "Trackers to log to."})
@@ -132,6 +140,8 @@ class CompactionGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1 or None, got {value}")
+        if not isinstance(self.engine_continuous, bool):
+            raise InvalidArgumentError(f"engine_continuous must be true or false, got {self.engine_continuous!r}")
         for name in ("num_episodes", "replay_max_tokens_per_forward"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")

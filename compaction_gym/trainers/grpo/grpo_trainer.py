@@ -165,6 +165,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
             max_slots=args.engine_max_slots or generation_batch,
             capacity=args.engine_capacity,
             fast=args.engine_fast,
+            continuous=args.engine_continuous,
         )
         # per-event/episode distributions beside TRL's scalars (docs/tensorboard.md)
         attach_rollout_histograms(self)
