@@ -93,7 +93,7 @@ def test_batched_rollout_equals_sequential_rollouts(backend):
     original = backend.step_batch
     backend.step_batch = lambda reqs: calls.append(len(reqs)) or original(reqs)
     try:
-        batched = run_episodes([make_env() for _ in seeds], agents, seeds)
+        batched = run_episodes([make_env() for _ in seeds], agents, seeds, continuous=False)
     finally:
         del backend.step_batch
     assert calls and max(calls) == 4  # one step_batch per turn across the 4 episodes

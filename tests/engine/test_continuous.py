@@ -199,6 +199,23 @@ def test_step_batch_keeps_results_of_work_running_beside_it(engines):
     _assert_same(got_fg, _one_by_one(ref, fg))
 
 
+def test_calls_that_generate_nothing_leave_running_work_where_it_stands(engines):
+    """A create or a teacher-forced step (``max_new_tokens=0``) beside running work runs no decode
+    round: the running request has not moved, and its result still equals the call made alone."""
+    eng, ref = engines
+    for e in (eng, ref):
+        _reset(e)
+    bg = CreateRequest(make_prompt(4, seed=70), CONFIGS["kv"], SamplingParams(max_new_tokens=30, ignore_eos=True, seed=8), "bg")
+    eng.submit([bg])
+    eng.advance(2)
+    before = eng.session("bg").token_ids
+    new = eng.create_session(make_prompt(6, seed=71), CONFIGS["turn"], SamplingParams(max_new_tokens=0, seed=9))
+    forced = eng.step("a", [11, 12, 13], SamplingParams(max_new_tokens=0), response_complete=True)
+    assert eng.session("bg").token_ids == before and eng.running_session_ids == ["bg"]
+    assert forced.finish_reason == "length" and new.token_ids == []
+    _assert_same(_drive(eng, [], [4])["bg"], _one_by_one(ref, bg))
+
+
 def test_a_failed_round_loses_the_running_requests_and_frees_their_slots(engines, monkeypatch):
     eng, _ = engines
     _reset(eng)
