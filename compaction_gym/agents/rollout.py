@@ -26,7 +26,7 @@ import gymnasium as gym
 
 from compaction_gym.agents.agent import CompactionAgent, act_batch
 from compaction_gym.agents.trajectory import Trajectory
-from compaction_gym.backends import Backend, ContinuousBackend
+from compaction_gym.backends import ContinuousBackend
 from compaction_gym.engine.types import StepRequest
 from compaction_gym.errors import CapacityError, InvalidArgumentError
 
@@ -92,6 +92,7 @@ def run_episodes(
     on_episode: Callable[[int, Trajectory], None] | None = None,
     continuous: bool | None = None,
     round_steps: int = 1,
+    merge_prefill: bool = False,
 ) -> list[Trajectory]:
     """Play ``len(seeds)`` episodes on ``len(envs)`` workers that share one backend.
 
@@ -107,6 +108,10 @@ def run_episodes(
             it; ``False``: lock-step (one ``step_batch`` per turn across the workers).
         round_steps: continuous mode only: decode steps per ``advance`` round, i.e. how long a
             finished reply may wait before its env steps (1: none; more: fewer host round trips).
+        merge_prefill: continuous mode only: submit turns with ``prefill=False``, so their inputs
+            are fed in the next round's forward beside the other episodes' decode step (fewer
+            forwards: for launch-bound GPUs; on CPU the padded batch costs more than it saves,
+            docs/benchmarks.md).
 
     Returns:
         The trajectories in the order of ``seeds`` (equal in both schedules: the backend's
@@ -135,6 +140,8 @@ def run_episodes(
         raise InvalidArgumentError(f"continuous must be True, False or None, got {continuous!r}")
     if isinstance(round_steps, bool) or not isinstance(round_steps, int) or round_steps < 1:
         raise InvalidArgumentError(f"round_steps must be a positive int, got {round_steps!r}")
+    if not isinstance(merge_prefill, bool):
+        raise InvalidArgumentError(f"merge_prefill must be a bool, got {merge_prefill!r}")
     supported = isinstance(backend, ContinuousBackend)
     if continuous and not supported:
         raise InvalidArgumentError(
@@ -143,7 +150,7 @@ def run_episodes(
         )
     workers = _Workers(envs, agents, seeds, options, on_episode)
     if supported and continuous is not False:
-        _play_continuous(workers, backend, teacher, round_steps)
+        _play_continuous(workers, backend, teacher, round_steps, not merge_prefill)
     else:
         _play_lockstep(workers, teacher)
     return workers.results  # type: ignore[return-value]
@@ -226,14 +233,14 @@ def _play_lockstep(workers: _Workers, teacher: Teacher | None) -> None:
 
 
 def _play_continuous(
-    workers: _Workers, backend: ContinuousBackend, teacher: Teacher | None, round_steps: int
+    workers: _Workers, backend: ContinuousBackend, teacher: Teacher | None, round_steps: int, prefill: bool
 ) -> None:
     """Each worker's turn is submitted as soon as its env has stepped; one decode round per ``advance``."""
     in_flight: dict[str, int] = {}  # session id -> worker
     ready = workers.active()
     while ready or in_flight:
         if ready:  # workers whose episode was refused and who started another are submitted again
-            ready = _submit(workers, backend, ready, teacher, in_flight)
+            ready = _submit(workers, backend, ready, teacher, in_flight, prefill)
             continue
         for result in backend.advance(round_steps):
             w = in_flight.pop(result.session_id)
@@ -243,10 +250,11 @@ def _play_continuous(
 
 def _submit(
     workers: _Workers,
-    backend: Backend,
+    backend: ContinuousBackend,
     ready: list[int],
     teacher: Teacher | None,
     in_flight: dict[str, int],
+    prefill: bool,
 ) -> list[int]:
     """Submit the turns of ``ready`` in one call; a turn refused for capacity aborts its episode.
 
@@ -263,12 +271,12 @@ def _submit(
                 restarted.append(w)
     while todo:
         try:
-            ids = backend.submit([req for _, req in todo])
+            ids = backend.submit([req for _, req in todo], prefill=prefill)
         except CapacityError as exc:  # atomic: nothing was submitted; drop the request it names
             i = getattr(exc, "request_index", None)
             if i is None and len(todo) > 1:  # not told which: one at a time
                 for w, req in todo:
-                    restarted += _submit_one(workers, backend, w, req, in_flight)
+                    restarted += _submit_one(workers, backend, w, req, in_flight, prefill)
                 return restarted
             w, _ = todo.pop(i or 0)
             if workers.abort(w, exc):
@@ -280,10 +288,15 @@ def _submit(
 
 
 def _submit_one(
-    workers: _Workers, backend: Backend, w: int, req: StepRequest, in_flight: dict[str, int]
+    workers: _Workers,
+    backend: ContinuousBackend,
+    w: int,
+    req: StepRequest,
+    in_flight: dict[str, int],
+    prefill: bool,
 ) -> list[int]:
     try:
-        in_flight[backend.submit([req])[0]] = w
+        in_flight[backend.submit([req], prefill=prefill)[0]] = w
     except CapacityError as exc:
         return [w] if workers.abort(w, exc) else []
     return []

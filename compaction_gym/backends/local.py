@@ -86,9 +86,9 @@ class LocalBackend:
     def step_batch(self, requests: list[StepRequest | CreateRequest]) -> list[StepResult]:
         return self.engine.step_batch(requests)
 
-    def submit(self, requests: list[StepRequest | CreateRequest]) -> list[str]:
+    def submit(self, requests: list[StepRequest | CreateRequest], *, prefill: bool = True) -> list[str]:
         """Admit requests into the running work (``Engine.submit``; continuous batching)."""
-        return self.engine.submit(requests)
+        return self.engine.submit(requests, prefill=prefill)
 
     def advance(self, max_steps: int | None = None) -> list[StepResult]:
         """One decode round; the results of the requests it finished (``Engine.advance``)."""

@@ -84,8 +84,10 @@ class ContinuousBackend(Backend, Protocol):
     The verbs mirror :meth:`compaction_gym.engine.Engine.submit` and
     :meth:`~compaction_gym.engine.Engine.advance` (docs/engine.md, "Continuous batching"):
 
-    * ``submit(requests)`` validates as ``step_batch`` does (atomic; a typed error carries the
-      offending ``request_index``), feeds the inputs and returns the requests' session ids;
+    * ``submit(requests, *, prefill=True)`` validates as ``step_batch`` does (atomic; a typed
+      error carries the offending ``request_index``), feeds the inputs (``prefill=False``: in the
+      next round's forward, beside the running requests' decode step) and returns the requests'
+      session ids;
     * ``advance(max_steps=None)`` runs one decode round (at most ``max_steps`` tokens per request)
       over everything running and returns the results of the requests it finished, which equal
       ``step_batch`` of the same requests however they were split into rounds.
@@ -94,6 +96,6 @@ class ContinuousBackend(Backend, Protocol):
     backend; on any other it plays in lock-step (one ``step_batch`` per turn).
     """
 
-    def submit(self, requests: list[StepRequest | CreateRequest]) -> list[str]: ...
+    def submit(self, requests: list[StepRequest | CreateRequest], *, prefill: bool = True) -> list[str]: ...
 
     def advance(self, max_steps: int | None = None) -> list[StepResult]: ...

@@ -74,6 +74,7 @@ class Work:
     started: float = 0.0  # perf_counter when its input began
     prefill_s: float = 0.0
     decode_from: float = 0.0  # perf_counter when its prefill ended
+    deferred: bool = False  # its input waits for the next round's forward (``begin(prefill=False)``)
 
 
 class Scheduler:
@@ -234,18 +235,24 @@ class Scheduler:
                     self.held.append((w, r))
         return [results[id(w)] for w in works]
 
-    def begin(self, works: list[Work]) -> None:
+    def begin(self, works: list[Work], *, prefill: bool = True) -> None:
         """Input and one batched prefill for ``works``, which then join :attr:`running`.
 
         Touches only these works' sessions: on an exception, the work already running is intact.
+        ``prefill=False`` leaves the inputs of works that will generate to the next round, whose
+        forward feeds them together with the running rows' decode step (:meth:`_decode_round`);
+        the others (no new tokens, scored inputs, nothing to generate) are fed now.
         """
         t0 = time.perf_counter()
         messages = [self._make_room(w) for w in works]
         for w, msgs in zip(works, messages):
             self._take_input(w, msgs)
         t1 = time.perf_counter()
-        self._feed([w for w in works if w.session.pending])
         for w in works:
+            w.deferred = not prefill and self._can_defer(w)
+        now = [w for w in works if not w.deferred]
+        self._feed([w for w in now if w.session.pending])
+        for w in now:
             if w.logits is None:
                 w.logits, w.session.last_logits = w.session.last_logits, None
         t2 = time.perf_counter()
@@ -259,6 +266,17 @@ class Scheduler:
             else:
                 s.last_response = (len(s.token_ids), len(s.token_ids))
         self.running += works
+
+    @staticmethod
+    def _can_defer(w: Work) -> bool:
+        """Whether ``w``'s input may be fed by the next round instead of :meth:`begin`."""
+        s, budget = w.session, w.session.config.max_total_tokens
+        return (
+            bool(s.pending)
+            and not w.score_input
+            and w.params.max_new_tokens > 0
+            and (budget is None or s.generated < budget)
+        )
 
     def advance(self, max_steps: int | None = None, *, decode: bool = True) -> list[tuple[Work, StepResult]]:
         """One decode round over :attr:`running`; the works that finished, with their results.
@@ -354,22 +372,30 @@ class Scheduler:
         """
         todo = list(works)
         while todo:
-            feeds = []
-            for w in todo:
-                s = w.session
-                chunk = s.pending[: self.prefill_chunk]
-                feeds.append(
-                    RowFeed(s.slot, chunk, s.fed, s.probes, score=self._scores_input(w, s.fed, len(chunk)))
-                )
-            logits = self.runner.forward(feeds)
-            for i, (w, f) in enumerate(zip(todo, feeds)):
-                if f.score:
-                    self._take_scores(w, f)
-                w.session.row_map.append(f.start, len(f.token_ids))
-                w.session.fed += len(f.token_ids)
-                w.session.last_logits = None
-                w.logits = logits[i]
+            feeds = self._next_chunks(todo)
+            self._took_chunks(todo, feeds, self.runner.forward(feeds))
             todo = [w for w in todo if w.session.pending]
+
+    def _next_chunks(self, works: list[Work]) -> list[RowFeed]:
+        """Each work's next prefill chunk (at most ``prefill_chunk`` of its pending tokens)."""
+        feeds = []
+        for w in works:
+            s = w.session
+            chunk = s.pending[: self.prefill_chunk]
+            feeds.append(
+                RowFeed(s.slot, chunk, s.fed, s.probes, score=self._scores_input(w, s.fed, len(chunk)))
+            )
+        return feeds
+
+    def _took_chunks(self, works: list[Work], feeds: list[RowFeed], logits: torch.Tensor) -> None:
+        """Book the fed chunks: scores, row map, fed count; ``w.logits`` = its last token's logits."""
+        for i, (w, f) in enumerate(zip(works, feeds)):
+            if f.score:
+                self._take_scores(w, f)
+            w.session.row_map.append(f.start, len(f.token_ids))
+            w.session.fed += len(f.token_ids)
+            w.session.last_logits = None
+            w.logits = logits[i]
 
     @staticmethod
     def _scores_input(w: Work, start: int, n: int) -> bool:
@@ -411,8 +437,45 @@ class Scheduler:
                 if self._take_token(w, tok, lp):
                     self._room_for_next(w)
         active = [w for w in active if w.finish is None]
-        self._feed([w for w in active if len(w.session.pending) > 1])
-        self._decode_chunk([w for w in active if len(w.session.pending) == 1], horizon)
+        feeding = [w for w in active if len(w.session.pending) > 1]
+        decoding = [w for w in active if len(w.session.pending) == 1]
+        merge = bool(decoding) and any(w.deferred for w in feeding)
+        for w in active:
+            w.deferred = False
+        if merge:  # submitted inputs share the decode step's forward (docs/engine.md, "Continuous batching")
+            decoding = self._feed_and_step(feeding, decoding)
+            horizon -= 1
+        self._feed([w for w in feeding if w.session.pending])
+        if horizon > 0:
+            self._decode_chunk(decoding, horizon)
+
+    def _feed_and_step(self, feeding: list[Work], decoding: list[Work]) -> list[Work]:
+        """One forward: the feeding rows' next prefill chunk and the decoding rows' first decode step.
+
+        A decoding row feeds its pending token and samples from its logits, as the first step of
+        :meth:`~ModelRunner.decode_chunk` does (same sampler, same stream). Returns the decoding
+        rows that may run more steps in this round.
+        """
+        feeds = self._next_chunks(feeding)
+        steps = [
+            RowFeed(w.session.slot, w.session.pending[:1], w.session.fed, w.session.probes) for w in decoding
+        ]
+        logits = self.runner.forward(feeds + steps)
+        self._took_chunks(feeding, feeds, logits[: len(feeds)])
+        tokens, logprobs = sample(
+            logits[len(feeds) :], [w.params for w in decoding], [w.stream for w in decoding]
+        )
+        going = []
+        for w, tok, lp in zip(decoding, tokens, logprobs):
+            s = w.session
+            s.row_map.append(s.fed, 1)
+            s.fed += 1
+            s.last_logits = None
+            if self._take_token(w, tok, lp):
+                self._room_for_next(w)
+                if w.finish is None and len(s.pending) == 1:
+                    going.append(w)
+        return going
 
     def _decode_chunk(self, works: list[Work], horizon: int) -> None:
         """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed."""

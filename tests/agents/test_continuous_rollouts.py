@@ -101,16 +101,17 @@ def test_local_backend_is_continuous(backend):
     assert not isinstance(ScriptedBackend(backend.tokenizer), ContinuousBackend)
 
 
+@pytest.mark.parametrize("merge_prefill", [False, True], ids=["prefill", "merged"])
 @pytest.mark.parametrize("mode", list(CONFIGS))
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
-def test_continuous_equals_lockstep(backend, mode, temperature):
+def test_continuous_equals_lockstep(backend, mode, temperature, merge_prefill):
     config, sampling = CONFIGS[mode], _sampling(backend, temperature)
     seeds = [0, 5, 2, 7, 4, 1, 6]  # more seeds than workers; episodes of 2 to 5 turns
     calls: list[int] = []
     original = backend.submit
-    backend.submit = lambda reqs: calls.append(len(reqs)) or original(reqs)
+    backend.submit = lambda reqs, **kw: calls.append(len(reqs)) or original(reqs, **kw)
     try:
-        cont = _play(backend, config, sampling, seeds, 3, True)
+        cont = _play(backend, config, sampling, seeds, 3, True, merge_prefill=merge_prefill)
     finally:
         del backend.submit
     lock = _play(backend, config, sampling, seeds, 3, False)
@@ -130,14 +131,17 @@ def test_continuous_equals_lockstep(backend, mode, temperature):
     temperature=st.sampled_from([0.0, 1.0, 2.0]),
     mode=st.sampled_from(list(CONFIGS)),
     round_steps=st.integers(1, 3),
+    merge_prefill=st.booleans(),
     first_seed=st.integers(0, 50),
 )
 def test_continuous_equals_lockstep_property(
-    backend, workers, n_seeds, temperature, mode, round_steps, first_seed
+    backend, workers, n_seeds, temperature, mode, round_steps, merge_prefill, first_seed
 ):
     seeds = [first_seed + 3 * i for i in range(n_seeds)]
     config, sampling = CONFIGS[mode], _sampling(backend, temperature, seed=first_seed)
-    cont = _play(backend, config, sampling, seeds, workers, True, round_steps=round_steps)
+    cont = _play(
+        backend, config, sampling, seeds, workers, True, round_steps=round_steps, merge_prefill=merge_prefill
+    )
     lock = _play(backend, config, sampling, seeds, workers, False)
     assert_same(cont, lock)
 
@@ -171,9 +175,9 @@ def test_capacity_error_aborts_only_the_episode_that_does_not_fit(tiny_model_pat
     refused: list[int | None] = []
     original = backend.submit
 
-    def submit(reqs):
+    def submit(reqs, **kw):
         try:
-            return original(reqs)
+            return original(reqs, **kw)
         except CapacityError as exc:
             refused.append(exc.request_index)
             if named:
@@ -208,6 +212,7 @@ def test_backend_without_submit_plays_lockstep(tiny_tokenizer):
         ({"continuous": "yes"}, "continuous must be True, False or None"),
         ({"round_steps": 0}, "round_steps must be a positive int"),
         ({"round_steps": True}, "round_steps must be a positive int"),
+        ({"merge_prefill": 1}, "merge_prefill must be a bool"),
     ],
 )
 def test_bad_settings_are_refused(tiny_tokenizer, kwargs, match):
