@@ -330,9 +330,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], max_kv_len: int | None =
                 "compaction/kv_len_before": sum(e.kv_len_before for e in events) / m,
                 "compaction/kv_len_after": sum(e.kv_len_after for e in events) / m,
                 "compaction/kept_fraction": sum(e.kv_len_after / max(1, e.kv_len_before) for e in events) / m,
-                "compaction/span_kept_fraction": sum(
-                    e.target / max(1, e.span[1] - e.span[0]) for e in events
-                )
+                "compaction/span_kept_fraction": sum(e.target / max(1, e.span[1] - e.span[0]) for e in events)
                 / m,
                 "compaction/event_time_s": sum(times) / m,
                 "compaction/event_time_max_s": max(times),

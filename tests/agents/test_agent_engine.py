@@ -179,7 +179,11 @@ def test_budget_messages_follow_the_agents_chat_template(backend):
 def test_agent_keeps_a_given_budget_frame(backend):
     frame = ("\n[budget] ", " [/budget]\n")
     config = CompactionConfig(
-        mode="markovian", n_protect_turns=0, max_total_tokens=50, inject_budget_message=True, budget_message_frame=frame
+        mode="markovian",
+        n_protect_turns=0,
+        max_total_tokens=50,
+        inject_budget_message=True,
+        budget_message_frame=frame,
     )
     agent = CompactionAgent(backend, compaction=config, chat_template=GEMMA_TEMPLATE)
     assert agent.compaction == config

@@ -141,7 +141,9 @@ class CompactionGRPOConfig(GRPOConfig):
             if value is not None and value < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1 or None, got {value}")
         if not isinstance(self.engine_continuous, bool):
-            raise InvalidArgumentError(f"engine_continuous must be true or false, got {self.engine_continuous!r}")
+            raise InvalidArgumentError(
+                f"engine_continuous must be true or false, got {self.engine_continuous!r}"
+            )
         for name in ("num_episodes", "replay_max_tokens_per_forward"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
