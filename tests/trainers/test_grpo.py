@@ -159,6 +159,9 @@ def test_config_validation(tmp_path):
         make(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(InvalidArgumentError, match="max_turn_tokens must be >= 1"):
         make(max_turn_tokens=0)
+    assert args.engine_continuous and not make(engine_continuous=False).engine_continuous
+    with pytest.raises(InvalidArgumentError, match="engine_continuous must be true or false"):
+        make(engine_continuous="yes")
 
 
 def test_inference_replays_take_their_own_batch_size(tiny_model_path, tmp_path):

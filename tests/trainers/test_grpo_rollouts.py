@@ -74,8 +74,13 @@ def test_kv_budget_overshoot_and_per_event_metrics(tiny_model_path):
 
     def play(config: CompactionConfig):
         rollouts = EnvRollouts(
-            model, tok, env, compaction=config, sampling=SamplingParams(max_new_tokens=16),
-            env_kwargs={"max_episode_steps": 6}, max_slots=2,
+            model,
+            tok,
+            env,
+            compaction=config,
+            sampling=SamplingParams(max_new_tokens=16),
+            env_kwargs={"max_episode_steps": 6},
+            max_slots=2,
         )
         return rollouts.run(specs)
 
@@ -108,4 +113,30 @@ def test_kv_budget_overshoot_and_per_event_metrics(tiny_model_path):
     for t in trajs:
         largest_input = max(turn.input_range[1] - turn.input_range[0] for turn in t.turns)
         assert t.peak_kv_len <= roomy.max_kv_len + largest_input
-    assert budget_overshoot_reason(trajs, roomy) is None or "fed whole" in budget_overshoot_reason(trajs, roomy)
+    assert budget_overshoot_reason(trajs, roomy) is None or "fed whole" in budget_overshoot_reason(
+        trajs, roomy
+    )
+
+
+def test_continuous_rollouts_equal_lockstep(tiny_model_path):
+    """``EnvRollouts(continuous=...)``: each episode advancing on its own plays the trajectories of
+    lock-step (tokens, masks, events, rewards; log-probs to float32 batch rounding)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    kwargs = dict(
+        compaction=CompactionConfig(mode="attention_matching", max_kv_len=400, compact_window=64),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=list(range(200, 230))),
+        env_kwargs={"max_episode_steps": 3},
+        max_slots=4,
+    )
+    specs = group_specs([("AttnMatch-BabyAI-GoTo-v0", 0), ("AttnMatch-BabyAI-GoTo-v0", 1)], 2, base_seed=5)
+    cont = EnvRollouts(model, tok, "AttnMatch-BabyAI-GoTo-v0", **kwargs)
+    lock = EnvRollouts(model, tok, "AttnMatch-BabyAI-GoTo-v0", continuous=False, **kwargs)
+    assert cont.continuous and not lock.continuous
+    for x, y in zip(cont.run(specs), lock.run(specs)):
+        assert (x.token_ids, x.completion_mask, x.rewards) == (y.token_ids, y.completion_mask, y.rewards)
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+        assert x.events and len(x.events) == len(y.events)
+        assert [e.indices.tolist() for e in x.events] == [e.indices.tolist() for e in y.events]
+    with pytest.raises(InvalidArgumentError, match="continuous must be a bool"):
+        EnvRollouts(model, tok, "AttnMatch-BabyAI-GoTo-v0", continuous=None)
