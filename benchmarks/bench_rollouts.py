@@ -15,11 +15,12 @@ env seed and differ in their sampling seed, all played at once on one engine:
 
 Printed per schedule: model forwards (every batched forward of the model: prefills, decode steps,
 budget messages; on the fast path a decode chunk counts its steps), of them feeds (forwards outside
-decode chunks), decode chunks, wall time, and the ratios lock-step / schedule. The trajectories are
-compared with lock-step's: episodes whose token ids differ, and the largest log-prob difference
-before the first differing token (float32 rounds differently in batches of other sizes; at T = 1 a
-draw that lands within ~1e-5 of a token boundary then picks another token and the episode goes
-its own way; ``--control`` measures the same between lock-step in one batch and in two halves).
+decode chunks), decode chunks, wall time, process CPU time (on a shared CPU box the comparable
+one), and the ratios lock-step / schedule. The trajectories are compared with lock-step's: episodes
+whose token ids differ, and the largest log-prob difference before the first differing token
+(float32 rounds differently in batches of other sizes; at T = 1 a draw that lands within ~1e-5 of
+a token boundary then picks another token and the episode goes its own way; ``--control``
+measures the same between lock-step in one batch and in two halves).
 
 Usage:
     python benchmarks/bench_rollouts.py --episodes 8 --group 4 --control       # CPU
@@ -119,7 +120,7 @@ def play(
     counter.reset()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with rollouts.generating():
         trajs = run_episodes(
             envs,
@@ -131,10 +132,10 @@ def play(
         )
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for env in envs:
         env.close()
-    return trajs, wall, counter.forwards, counter.chunks, counter.feeds
+    return trajs, wall, counter.forwards, counter.chunks, counter.feeds, cpu
 
 
 def compare(ref: list, got: list) -> tuple[int, float]:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.control:  # lock-step in two halves: how much float32 batch rounding alone moves the episodes
         half = len(specs) // 2
         x, y = (play(rollouts, part, counter, False, 1, False) for part in (specs[:half], specs[half:]))
-        runs["lock-step/2"] = (x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3], x[4] + y[4])
+        runs["lock-step/2"] = tuple(u + v for u, v in zip(x, y))
     lock = runs["lock-step"]
     trajs = lock[0]
     print(
@@ -193,14 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         f"longest episode {max(len(t.turns) for t in trajs)} turns"
     )
     print(
-        f"{'schedule':<12} {'forwards':>9} {'of them feeds':>14} {'decode chunks':>14} {'wall s':>8} "
-        f"{'fwd ratio':>10} {'wall ratio':>11}  trajectories vs lock-step"
+        f"{'schedule':<12} {'forwards':>9} {'of them feeds':>14} {'decode chunks':>14} {'wall s':>8} {'cpu s':>8} "
+        f"{'fwd ratio':>10} {'wall ratio':>11} {'cpu ratio':>10}  trajectories vs lock-step"
     )
-    for name, (got, wall, forwards, chunks, feeds) in runs.items():
+    for name, (got, wall, forwards, chunks, feeds, cpu) in runs.items():
         differ, lp = compare(lock[0], got)
         print(
-            f"{name:<12} {forwards:>9} {feeds:>14} {chunks:>14} {wall:>8.2f} {lock[2] / max(1, forwards):>9.2f}x "
-            f"{lock[1] / max(1e-9, wall):>10.2f}x  {differ} of {len(got)} differ, max |d log p| before {lp:.1e}"
+            f"{name:<12} {forwards:>9} {feeds:>14} {chunks:>14} {wall:>8.2f} {cpu:>8.2f} "
+            f"{lock[2] / max(1, forwards):>9.2f}x {lock[1] / max(1e-9, wall):>10.2f}x {lock[5] / max(1e-9, cpu):>9.2f}x  "
+            f"{differ} of {len(got)} differ, max |d log p| before {lp:.1e}"
         )
     rollouts.close()
     return 0
