@@ -121,8 +121,8 @@ def run_episodes(
 
     Raises:
         InvalidArgumentError: mismatched ``envs``/``agents``, agents on different backends, a bad
-            ``continuous`` or ``round_steps``, or ``continuous=True`` on a backend without
-            ``submit``/``advance``.
+            ``continuous``, ``round_steps`` or ``merge_prefill``, or ``continuous=True`` on a
+            backend without ``submit``/``advance``.
 
     Example:
         >>> envs = [gym.make("AttnMatch-BabyAI-GoTo-v0") for _ in range(4)]  # doctest: +SKIP
