@@ -149,12 +149,13 @@ class VLLMBackend:
         return [merge_rank_results(parts) for parts in zip(*per_rank)]
 
     # continuous batching, as the server's worker schedules it (docs/server.md, docs/engine.md)
-    def submit(self, requests: Sequence[StepRequest | CreateRequest]) -> list[str]:
-        """Admit requests into the running work inside the workers (``Engine.submit``); their session ids."""
+    def submit(self, requests: Sequence[StepRequest | CreateRequest], *, prefill: bool = True) -> list[str]:
+        """Admit requests into the running work inside the workers (``Engine.submit``, ``prefill``
+        as there); their session ids."""
         requests = list(requests)
         if len(self.layouts) > 1:
             requests = [same_on_every_rank(r) for r in requests]
-        return self._call_all("submit", requests)[0]
+        return self._call_all("submit", requests, prefill=prefill)[0]
 
     def advance(self, max_steps: int | None = None) -> list[StepResult]:
         """One decode round inside the workers (``Engine.advance``): the results it finished."""
