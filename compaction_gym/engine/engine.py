@@ -203,9 +203,8 @@ class Engine:
         ``input_logprobs`` hold the log-probability of every token of ``new_ids`` under the
         session's (compacted) cache as it stood when it was fed (docs/engine.md, "Scoring fed tokens").
         """
-        return self.step_batch([StepRequest(session_id, new_ids, sampling, response_complete, score_input)])[
-            0
-        ]
+        request = StepRequest(session_id, new_ids, sampling, response_complete, score_input)
+        return self.step_batch([request])[0]
 
     def step_batch(self, requests: Sequence[StepRequest | CreateRequest]) -> list[StepResult]:
         """Open and step many sessions: one batched prefill and one batched decode loop.

@@ -4,8 +4,8 @@
 itself* (no copy: generation always reads the current weights, LoRA adapters included, so there
 is nothing to sync after an optimizer step), a pool of env instances per env key, and plays
 :class:`EpisodeSpec` s with :func:`~compaction_gym.agents.run_episodes` (each with its own sampling
-seed; by default continuously batched: every episode advances on its own, docs/grpo.md). :func:`rollout_batch` turns the
-resulting :class:`~compaction_gym.agents.Trajectory` s into TRL's ``rollout_func`` contract.
+seed; by default continuously batched: every episode advances on its own, docs/grpo.md).
+:func:`rollout_batch` turns the resulting :class:`~compaction_gym.agents.Trajectory` s into TRL's ``rollout_func`` contract.
 
 The policy is shared with a trainer, so every engine call runs inside :meth:`EnvRollouts.generating`:
 eval mode (no dropout, no gradient checkpointing) and no autograd. The engine itself switches the
@@ -136,7 +136,8 @@ class EnvRollouts:
             storage, so weights stay in sync).
         continuous: each episode advances on its own (its next turn is submitted as soon as its
             env has stepped); ``False``: lock-step, one ``step_batch`` per turn across the
-            episodes. The trajectories are the same (``run_episodes``).
+            episodes. The trajectories are the same up to float32 rounding of batches of other
+            sizes (``run_episodes``; docs/agents.md, "Batching").
         model_name: recorded in trajectories.
 
     Example:
