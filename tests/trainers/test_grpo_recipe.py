@@ -246,6 +246,8 @@ def test_held_out_evaluation_is_chunked_within_its_budget(smoke):
                prompt="reasoning", progress=False)  # fmt: skip
     expected = [100.0 * episode_progression(t) for t in ref.by_task["goto"]]
     assert result["none"]["tasks"]["goto"]["progression"]["mean"] == pytest.approx(sum(expected) / 4)
+    # each seed's own progression, in the order of `seeds` (paired comparisons between models)
+    assert result["none"]["progression_by_seed"]["goto"] == pytest.approx(expected, abs=1e-3)
     table = run.eval_table(result, ["goto"])
     assert "| attention_matching |" in table and "| none |" in table
 
@@ -347,3 +349,23 @@ def test_the_other_variants_train_one_step(tmp_path, variant):
         assert rec["compaction/span_kept_fraction"] == 0.0  # the compacted span is deleted
     else:
         assert stage["training"]["grad_through_compaction"] is False
+
+
+def test_all_spreads_its_processes_over_the_visible_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert run.visible_gpus(None) == ["0", "1"]
+    assert run.visible_gpus(1) == ["0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert run.visible_gpus(None) == ["3", "5"]
+    with pytest.raises(InvalidArgumentError, match="gpus"):
+        run.visible_gpus(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run.visible_gpus(None) == []
+
+
+def test_curves_smooth_with_a_trailing_mean():
+    assert run.trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert run.trailing_mean([4.0, 0.0, 2.0], 5) == [4.0, 2.0, 2.0]
+    assert run.trailing_mean([], 3) == []

@@ -51,10 +51,19 @@ wait)
 pack)
   while pgrep -f "grpo_babyai_memory/run.py" >/dev/null; do sleep 5; done
   progress
-  # the curves, logs, metrics and held-out results; checkpoints and weights stay on the machine
+  # the curves, logs, metrics, metadata and held-out results; checkpoints stay on the machine
   tar czf "$OUT/grpo.tar.gz" -C "$OUTDIR" --exclude='checkpoint-*' --exclude='*.safetensors' \
-    --exclude='*.pt' --exclude='*.bin' .
+    --exclude='*.safetensors.part-*' --exclude='*.pt' --exclude='*.bin' .
   cp /tmp/grpo-all.log "$OUT/" 2>/dev/null
+  # each variant's evaluated weights (its equal-steps model, else the final one) in 15 MB parts:
+  # `cat NAME.safetensors.part-* > model.safetensors` beside that model's compaction_gym.json
+  for train in "$OUTDIR"/*/train.json; do
+    [ -f "$train" ] || continue
+    run=$(dirname "$train")
+    model=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1])).get('model', ''))" "$run/eval.json" 2>/dev/null)
+    [ -f "$model/model.safetensors" ] || model=$run/model
+    [ -f "$model/model.safetensors" ] && split -b 15M -d "$model/model.safetensors" "$OUT/$(basename "$run").safetensors.part-"
+  done
   ls -la "$OUT"
   ;;
 *)

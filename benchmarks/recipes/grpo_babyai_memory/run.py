@@ -11,7 +11,7 @@ memory variant"):
 * ``eval --model M --out DIR``: the held-out evaluation alone (the baseline);
 * ``plot --run DIR [--run DIR ...] --png FILE``: curves of one or several runs from their logs;
 * ``all --out DIR --minutes M``: the baseline evaluation and every variant as parallel processes
-  (one GPU, the host's cores split between them), then ``DIR/summary.json``, ``DIR/curves.png`` and
+  (spread round-robin over the visible GPUs, the host's cores split between them), then ``DIR/summary.json``, ``DIR/curves.png`` and
   a ``DIR/results.tar.gz`` of the small files; the best variant's weights in 15 MB parts.
 
 Held-out evaluation: greedy, every task's seeds ``eval_seed_start + i`` played at once through the
@@ -471,10 +471,19 @@ def evaluate_held_out(
 def _eval_result(
     by_mode: dict[str, dict[str, list]], played: dict[str, list[int]], start: float
 ) -> dict[str, Any]:
+    from compaction_gym.agents.evaluate import episode_progression
     from compaction_gym.evaluation.summary import finite, summarize
 
     out: dict[str, Any] = {
-        mode: {**finite(summarize({t: v for t, v in per_task.items() if v})), "seeds": list(played[mode])}
+        mode: {
+            **finite(summarize({t: v for t, v in per_task.items() if v})),
+            "seeds": list(played[mode]),
+            # per task, each played seed's progression (%), in `seeds` order: paired comparisons
+            # between models evaluated on the same seeds (docs/grpo.md)
+            "progression_by_seed": {
+                t: [round(100.0 * episode_progression(traj), 4) for traj in v] for t, v in per_task.items() if v
+            },
+        }
         for mode, per_task in by_mode.items()
         if played[mode]
     }
@@ -514,8 +523,15 @@ def read_log(run: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "train_runtime" not in r]
 
 
-def plot_runs(runs: list[Path], png: Path) -> bool:
-    """Curves of :data:`CURVES` for each run (one line per run); ``False`` without matplotlib."""
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def plot_runs(runs: list[Path], png: Path, smooth: int = 5) -> bool:
+    """Curves of :data:`CURVES` for each run: every step faint, the trailing mean of ``smooth`` steps
+    bold (each step plays only a few env seeds, so one step's reward is mostly its seeds'
+    difficulty); ``False`` without matplotlib."""
     try:
         import matplotlib
 
@@ -528,14 +544,59 @@ def plot_runs(runs: list[Path], png: Path) -> bool:
     rows = math.ceil(len(CURVES) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for (key, title), ax in zip(CURVES, axes.flat):
-        for run in runs:
+        for color, run in enumerate(runs):
             pts = [(r["step"], r[key]) for r in read_log(run) if isinstance(r.get(key), int | float)]
             if pts:
-                ax.plot(*zip(*pts), marker=".", label=run.name)
+                steps, values = zip(*pts)
+                ax.plot(steps, values, marker=".", lw=0.8, alpha=0.3, color=f"C{color}")
+                label = f"{run.name} (mean of {smooth} steps)" if smooth > 1 else run.name
+                ax.plot(steps, trailing_mean(list(values), smooth), lw=2, color=f"C{color}", label=label)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_held_out(summary: dict[str, Any], png: Path) -> bool:
+    """Bars of each run's held-out overall progression (± SE) per evaluation mode, the baseline
+    first; ``False`` without matplotlib or without any evaluation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = {name: run["eval"] for name, run in summary["runs"].items() if run.get("eval")}
+    modes = list(dict.fromkeys(m for ev in runs.values() for m, s in ev.items() if isinstance(s, dict) and "overall" in s))
+    if not runs or not modes:
+        return False
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(runs), 3.4))
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        xs, means, ses = [], [], []
+        for i, ev in enumerate(runs.values()):
+            if mode in ev:
+                xs.append(i + (k - (len(modes) - 1) / 2) * width)
+                means.append(ev[mode]["overall"]["progression"]["mean"])
+                ses.append(ev[mode]["overall"]["progression"]["se"])
+        ax.bar(xs, means, width, yerr=ses, capsize=3, label=mode, color=f"C{k}")
+    labels = []
+    for name, ev in runs.items():
+        step = ev.get("evaluated_step")
+        labels.append(f"{name}\n(step {step})" if step is not None else f"{name}\n(SFT model)")
+    ax.set_xticks(range(len(runs)), labels, fontsize=8)
+    ax.set_ylabel("held-out progression (%)")
+    seeds = max(len(ev[m]["seeds"]) for ev in runs.values() for m in modes if m in ev)
+    ax.set_title(f"held-out evaluation, {seeds} seeds per task (± SE)", fontsize=9)
+    ax.set_ylim(0, 105)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -652,7 +713,11 @@ def _evaluate_into(
 
 
 def cmd_plot(a: argparse.Namespace) -> int:
-    return 0 if plot_runs([Path(r) for r in a.run], Path(a.png)) else 1
+    drawn = plot_runs([Path(r) for r in a.run], Path(a.png))
+    if a.summary:
+        png = Path(a.png).with_name(Path(a.png).stem + "_held_out.png")
+        drawn = plot_held_out(json.loads(Path(a.summary).read_text()), png) and drawn
+    return 0 if drawn else 1
 
 
 def cmd_all(a: argparse.Namespace) -> int:
@@ -681,8 +746,14 @@ def cmd_all(a: argparse.Namespace) -> int:
         common += ["--eval-seeds", str(a.eval_seeds)]
     if a.fast:
         common += ["--fast"]
+    gpus = visible_gpus(a.gpus)
     procs = {}
     logs = contextlib.ExitStack()
+
+    def env_for(index: int) -> dict[str, str]:
+        # process i on GPU i mod n: several GPUs of one host train the variants side by side
+        return {**env, "CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else env
+
     if not a.no_baseline:
         # the base model's evaluation (same seeds; every mode any variant evaluates) runs beside the
         # training processes, with the whole window
@@ -691,7 +762,7 @@ def cmd_all(a: argparse.Namespace) -> int:
                "--eval-minutes", str(a.minutes - a.slack_minutes)]  # fmt: skip
         procs["baseline"] = subprocess.Popen(
             cmd,
-            env=env,
+            env=env_for(len(procs)),
             stdout=logs.enter_context((out / "baseline.log").open("w")),
             stderr=subprocess.STDOUT,
         )
@@ -703,7 +774,7 @@ def cmd_all(a: argparse.Namespace) -> int:
         if a.max_steps is not None:
             cmd += ["--max-steps", str(a.max_steps)]
         procs[v] = subprocess.Popen(
-            cmd, env=env, stdout=logs.enter_context((out / f"{v}.log").open("w")), stderr=subprocess.STDOUT
+            cmd, env=env_for(len(procs)), stdout=logs.enter_context((out / f"{v}.log").open("w")), stderr=subprocess.STDOUT
         )
     deadline = start + 60.0 * (a.minutes - a.slack_minutes / 2)
     codes: dict[str, int | None] = {}
@@ -733,9 +804,26 @@ def cmd_all(a: argparse.Namespace) -> int:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_runs([out / v for v in variants], out / "curves.png")
+    plot_held_out(summary, out / "held_out.png")
     _bundle(out, variants, summary)
     print(json.dumps({"complete": summary["complete"], "exit_codes": codes}), flush=True)
     return 0 if all(summary["complete"].values()) else 1
+
+
+def visible_gpus(requested: int | None) -> list[str]:
+    """The CUDA device ids ``all`` spreads its processes over: the first ``requested`` of those
+    visible (``CUDA_VISIBLE_DEVICES`` or every device), all of them when ``requested`` is None;
+    ``[]`` without CUDA (then the processes keep the parent's environment)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()][:count] if visible else [str(i) for i in range(count)]
+    if requested is not None:
+        if requested < 1:
+            raise _error(f"gpus: must be >= 1, got {requested}")
+        ids = ids[:requested]
+    return ids
 
 
 def _bundle(out: Path, variants: list[str], summary: dict[str, Any]) -> None:
@@ -815,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="curves of runs from their log_history.jsonl")
     p.add_argument("--run", action="append", required=True)
     p.add_argument("--png", required=True)
+    p.add_argument("--summary", default=None, help="an `all` run's summary.json: also PNG_held_out.png")
     p.set_defaults(func=cmd_plot)
     p = sub.add_parser("all", help="baseline + every variant in parallel, then summary and bundle")
     common(p)
@@ -830,6 +919,9 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluate each variant's final model (default: every variant at their common step count)",
     )
     p.add_argument("--max-steps", dest="max_steps", type=int, default=None)
+    p.add_argument(
+        "--gpus", type=int, default=None, help="spread the processes over the first N visible GPUs (default: all)"
+    )
     p.set_defaults(func=cmd_all)
     a = parser.parse_args(argv)
     for key in ("max_minutes", "eval_chunk"):
