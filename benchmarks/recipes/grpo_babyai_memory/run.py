@@ -481,7 +481,9 @@ def _eval_result(
             # per task, each played seed's progression (%), in `seeds` order: paired comparisons
             # between models evaluated on the same seeds (docs/grpo.md)
             "progression_by_seed": {
-                t: [round(100.0 * episode_progression(traj), 4) for traj in v] for t, v in per_task.items() if v
+                t: [round(100.0 * episode_progression(traj), 4) for traj in v]
+                for t, v in per_task.items()
+                if v
             },
         }
         for mode, per_task in by_mode.items()
@@ -525,7 +527,10 @@ def read_log(run: Path) -> list[dict[str, Any]]:
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
     """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
-    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+        for i in range(len(values))
+    ]
 
 
 def plot_runs(runs: list[Path], png: Path, smooth: int = 5) -> bool:
@@ -573,7 +578,11 @@ def plot_held_out(summary: dict[str, Any], png: Path) -> bool:
     except ImportError:
         return False
     runs = {name: run["eval"] for name, run in summary["runs"].items() if run.get("eval")}
-    modes = list(dict.fromkeys(m for ev in runs.values() for m, s in ev.items() if isinstance(s, dict) and "overall" in s))
+    modes = list(
+        dict.fromkeys(
+            m for ev in runs.values() for m, s in ev.items() if isinstance(s, dict) and "overall" in s
+        )
+    )
     if not runs or not modes:
         return False
     fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(runs), 3.4))
@@ -774,7 +783,10 @@ def cmd_all(a: argparse.Namespace) -> int:
         if a.max_steps is not None:
             cmd += ["--max-steps", str(a.max_steps)]
         procs[v] = subprocess.Popen(
-            cmd, env=env_for(len(procs)), stdout=logs.enter_context((out / f"{v}.log").open("w")), stderr=subprocess.STDOUT
+            cmd,
+            env=env_for(len(procs)),
+            stdout=logs.enter_context((out / f"{v}.log").open("w")),
+            stderr=subprocess.STDOUT,
         )
     deadline = start + 60.0 * (a.minutes - a.slack_minutes / 2)
     codes: dict[str, int | None] = {}
@@ -818,7 +830,11 @@ def visible_gpus(requested: int | None) -> list[str]:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in visible.split(",") if d.strip()][:count] if visible else [str(i) for i in range(count)]
+    ids = (
+        [d.strip() for d in visible.split(",") if d.strip()][:count]
+        if visible
+        else [str(i) for i in range(count)]
+    )
     if requested is not None:
         if requested < 1:
             raise _error(f"gpus: must be >= 1, got {requested}")
@@ -920,7 +936,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-steps", dest="max_steps", type=int, default=None)
     p.add_argument(
-        "--gpus", type=int, default=None, help="spread the processes over the first N visible GPUs (default: all)"
+        "--gpus",
+        type=int,
+        default=None,
+        help="spread the processes over the first N visible GPUs (default: all)",
     )
     p.set_defaults(func=cmd_all)
     a = parser.parse_args(argv)
