@@ -41,10 +41,13 @@ class Revision:
     description: str
     changed: Callable[[Mapping[str, Any]], bool]
 
+    def name(self) -> str:
+        """``revision 2 (2026-11-25, 3e2e58d)``."""
+        return f"revision {self.number}" + (f" ({self.date[:10]}, {self.commit})" if self.date else "")
+
     def label(self) -> str:
-        """``revision 2 (2026-11-25, 3e2e58d): ...``."""
-        when = f" ({self.date[:10]}, {self.commit})" if self.date else ""
-        return f"revision {self.number}{when}: {self.description}"
+        """``revision 2 (2026-11-25, 3e2e58d): <description>``."""
+        return f"{self.name()}: {self.description}"
 
 
 def refits_c2(compaction: Mapping[str, Any]) -> bool:

@@ -149,7 +149,7 @@ def refuse_stale_cell(directory: Path, compaction: Mapping[str, Any], played_at:
     since = stale_since(compaction, played_at)
     if since is not None:
         raise InvalidArgumentError(
-            f"{directory}: its episodes were played under compaction revision {played_at}, which "
-            f"{since.label()} changed for this method, and resuming would mix the two; delete that "
-            "directory (or use another --output) to re-run the cell afresh"
+            f"{directory}: its episodes were played under compaction revision {played_at}, and "
+            f"{since.name()} changed this method's results ({since.description}): resuming would "
+            "mix the two. Delete that directory (or use another --output) to re-run the cell afresh"
         )
