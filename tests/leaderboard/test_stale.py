@@ -15,7 +15,9 @@ from compaction_gym.cli import main
 from compaction_gym.compaction.revisions import COMPACTION_REVISION, revision
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.leaderboard import check_record, load_suite, run_suite
+from compaction_gym.leaderboard.parallel import run_suite_parallel
 from compaction_gym.leaderboard.record import seal
+from compaction_gym.leaderboard.report import DOC_BEGIN, DOC_END
 from compaction_gym.leaderboard.runner import attach_comparisons
 from compaction_gym.leaderboard.staleness import STALE_MARK, record_stale, stale_records
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT, SUITES_DIR
@@ -122,10 +124,7 @@ def test_show_marks_stale_scores(aged, tmp_path, capsys):
     note = f"{STALE_MARK} stale: made before compaction revision 2 (2026-11-25, 3e2e58d)"
     assert note in page
     doc = tmp_path / "doc.md"
-    doc.write_text("# page\n\n<!-- leaderboard:begin (generated) -->\nold\n<!-- leaderboard:end -->\ntail\n")
-    from compaction_gym.leaderboard.report import DOC_BEGIN
-
-    doc.write_text(f"# page\n\n{DOC_BEGIN}\nold\n<!-- leaderboard:end -->\ntail\n")
+    doc.write_text(f"# page\n\n{DOC_BEGIN}\nold\n{DOC_END}\ntail\n")
     args = ["leaderboard", "show", "--records", str(aged), "--format", "md", "--update-doc", str(doc)]
     assert main(args) == 0
     text = doc.read_text()
@@ -178,6 +177,8 @@ def test_the_runner_refuses_to_resume_a_stale_cell(tiny_suite_path, tiny_backend
     assert _json(none / "cell.json")["compaction_revision"] == 2
     assert main(["leaderboard", "run", str(tiny_suite_path), "--output", str(tmp_path), "--no-progress",
                  "--no-tensorboard"]) == 2  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="compaction revision 1"):  # before any worker starts
+        run_suite_parallel(suite, jobs=2, output=tmp_path, progress=False, tensorboard=False)
     # the fix the message names: a fresh cell
     shutil.rmtree(am)
     run_suite(suite, methods=["attention_matching"], output=tmp_path, backend=tiny_backend, progress=False,
