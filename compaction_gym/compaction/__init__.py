@@ -14,6 +14,8 @@ _EXPORTS: dict[str, str] = {
     "compact": "compaction_gym.compaction.api",
     "CompactionEvent": "compaction_gym.compaction.events",
     "COMPACTION_MODES": "compaction_gym.compaction.modes",
+    "COMPACTION_REVISION": "compaction_gym.compaction.revisions",
+    "REVISIONS": "compaction_gym.compaction.revisions",
     "QUERY_MODES": "compaction_gym.compaction.modes",
     "target_size": "compaction_gym.compaction.modes",
     "event_probes": "compaction_gym.compaction.probes",

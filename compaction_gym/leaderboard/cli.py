@@ -1,8 +1,8 @@
 """``compaction-gym leaderboard run|show|check``: methods × suites × seeds with honest statistics.
 
 ``run SUITE`` plays a suite's (method, budget) cells, resumably, writing one record per cell;
-``show`` ranks the records in tables and plots; ``check`` verifies every record's compliance
-(``docs/leaderboard.md``).
+``show`` ranks the records in tables and plots; ``check`` verifies every record's compliance and
+lists the stale ones (``docs/leaderboard.md``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def register(subparsers: Any) -> None:
         "plots going to --output (default: DOC's folder/img/leaderboard)",
     )
     show.set_defaults(func=main_show)
-    check = sub.add_parser("check", help="verify every record's compliance (writes compliance.json)")
+    check = sub.add_parser(
+        "check", help="verify every record's compliance (writes compliance.json); list stale records"
+    )
     check.add_argument("--records", default=str(DEFAULT_OUTPUT), help="records root (default: %(default)s)")
     check.set_defaults(func=main_check)
 
@@ -195,6 +197,7 @@ def main_show(args: argparse.Namespace) -> int:
 
 def main_check(args: argparse.Namespace) -> int:
     from compaction_gym.leaderboard.compliance import check_all
+    from compaction_gym.leaderboard.staleness import stale_records, stale_report
 
     results = check_all(args.records)
     for res in results:
@@ -203,4 +206,6 @@ def main_check(args: argparse.Namespace) -> int:
             print(f"     - {f}")
     failed = sum(not r.ok for r in results)
     print(f"{len(results)} records, {failed} failing")
+    # stale records are reported, not failed: a record is what its run measured (docs/leaderboard.md)
+    print(stale_report(stale_records(args.records), args.records))
     return 1 if failed else 0

@@ -14,6 +14,7 @@ from compaction_gym.leaderboard.report_parts import (
     records_by_method,
     save_plot,
     score_errorbar,
+    stale_mark,
 )
 
 LM_COLUMNS = (
@@ -44,7 +45,7 @@ def lm_rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]
                 str(i),
                 rec["method"],
                 rec["budget"]["label"],
-                _f(res["score"]["mean"]),
+                _f(res["score"]["mean"]) + stale_mark(rec),
                 _f(res["score"]["se"]),
                 delta,
                 p,

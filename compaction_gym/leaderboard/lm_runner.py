@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from compaction_gym.compaction.revisions import COMPACTION_REVISION
 from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.lm_record import (
     LM_RECORD_SCHEMA,
@@ -38,6 +39,7 @@ from compaction_gym.leaderboard.runner import (
     run_provenance,
     selected_cells,
 )
+from compaction_gym.leaderboard.staleness import refuse_stale_cell
 from compaction_gym.leaderboard.store import append_jsonl, read_episodes, sha256_file, write_json_atomic
 from compaction_gym.leaderboard.suite import DEFAULT_OUTPUT
 from compaction_gym.lmeval.mixer import MIXERS, mix_stream
@@ -73,6 +75,7 @@ def score_line(
         "nll": nll,
         "events": res.events,
         "seconds": res.seconds,
+        "compaction_revision": COMPACTION_REVISION,
     }
 
 
@@ -109,7 +112,11 @@ def run_lm_suite(
     for cell in cells:
         directory = lm_cell_dir(output, cell)
         directory.mkdir(parents=True, exist_ok=True)
-        have = {int(d["seed"]) for d in read_episodes(directory / SCORES_FILE, lambda d: int(d["seed"]))}
+        lines = read_episodes(directory / SCORES_FILE, lambda d: int(d["seed"]))
+        if lines:  # a line without its revision is from before the field: revision 1
+            played_at = min(int(d.get("compaction_revision", 1)) for d in lines)
+            refuse_stale_cell(directory, cell.config()["compaction"], played_at)
+        have = {int(d["seed"]) for d in lines}
         for seed in cell.seeds if not seeds else [s for s in cell.seeds if s in seeds]:
             if seed not in have:
                 todo.setdefault((json.dumps(cell.compaction.to_dict(), sort_keys=True), seed), []).append(

@@ -138,7 +138,7 @@ def run_suite_parallel(
     Raises:
         RunIncomplete: the time limit or SIGTERM came first.
         InvalidArgumentError: ``jobs`` < 1, a bad selection, or a cell directory of another config
-            (checked for every cell before any worker starts).
+            or with stale episodes (checked for every cell before any worker starts).
         CompactionGymError: a worker failed to load the model, or some cells failed (the others'
             records are written and paired first).
     """

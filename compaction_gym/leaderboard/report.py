@@ -23,6 +23,8 @@ from compaction_gym.leaderboard.report_parts import (
     records_by_method,
     save_plot,
     score_errorbar,
+    stale_mark,
+    stale_notes,
 )
 
 COLUMNS = (
@@ -68,7 +70,7 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
                 else _f(rec["budget"]["max_kv_len"], "d")
                 if rec["budget"]["max_kv_len"]
                 else "full",
-                f"{_f(res['score']['mean'])} ± {_f(res['score']['se'])}",
+                f"{_f(res['score']['mean'])} ± {_f(res['score']['se'])}{stale_mark(rec)}",
                 _f(res["across_seeds"]["se"]),
                 delta,
                 p,
@@ -90,8 +92,13 @@ def rows(entries: list[tuple[dict[str, Any], CheckResult]]) -> list[list[str]]:
     return out
 
 
-def markdown(tables: dict[str, list[list[str]]], columns: dict[str, tuple[str, ...]] | None = None) -> str:
-    """One table per suite (``columns`` per suite; default :data:`COLUMNS`)."""
+def markdown(
+    tables: dict[str, list[list[str]]],
+    columns: dict[str, tuple[str, ...]] | None = None,
+    notes: dict[str, str] | None = None,
+) -> str:
+    """One table per suite (``columns`` per suite; default :data:`COLUMNS`), each followed by its
+    footnote in ``notes`` if any (stale records)."""
     parts = []
     for suite, body in tables.items():
         cols = (columns or {}).get(suite, COLUMNS)
@@ -100,6 +107,8 @@ def markdown(tables: dict[str, list[list[str]]], columns: dict[str, tuple[str, .
         parts.append("|" + "---|" * len(cols))
         parts.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body)
         parts.append("")
+        if suite in (notes or {}):
+            parts += [(notes or {})[suite], ""]
     return "\n".join(parts)
 
 
@@ -165,6 +174,7 @@ def html_page(
     tables: dict[str, list[list[str]]],
     plots: dict[str, list[Path]],
     columns: dict[str, tuple[str, ...]] | None = None,
+    notes: dict[str, str] | None = None,
 ) -> str:
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>compaction-gym leaderboard</title>",
@@ -180,6 +190,8 @@ def html_page(
             cls = " class='no'" if row[-1].startswith("NO") else ""
             parts.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         parts.append("</table>")
+        if suite in (notes or {}):
+            parts.append(f"<p>{html.escape((notes or {})[suite])}</p>")
         for p in plots.get(suite, []):
             data = base64.b64encode(p.read_bytes()).decode()
             parts.append(f"<p><img alt='{html.escape(p.name)}' src='data:image/png;base64,{data}'></p>")
@@ -239,7 +251,8 @@ def doc_section(root: str | Path, doc: str | Path, img_dir: str | Path) -> tuple
     for suite, entries in sorted(records.items()):
         paths = plot(suite, entries, img)
         written += paths
-        body = markdown({suite: rows(entries)}).replace(f"## {suite}\n", "", 1).strip("\n")
+        table = markdown({suite: rows(entries)}, notes=stale_notes({suite: entries}))
+        body = table.replace(f"## {suite}\n", "", 1).strip("\n")
         parts.append(f"### {suite}\n\n{how_run(entries)}.\n\n{body}\n")
         links = [os.path.relpath(p, Path(doc).resolve().parent) for p in paths]
         parts.append(" ".join(f"![{Path(x).stem}]({x})" for x in links) + "\n")
@@ -281,10 +294,11 @@ def show(root: str | Path, out_dir: str | Path | None = None, fmt: str = "md") -
     tables = {s: (lm_rows if s in lm else rows)(entries) for s, entries in sorted(records.items())}
     plots = {s: (lm_plot if s in lm else plot)(s, entries, out) for s, entries in sorted(records.items())}
     columns = dict.fromkeys(lm, LM_COLUMNS)
+    notes = stale_notes(records)
     if fmt == "html":
-        page = html_page(tables, plots, columns)
+        page = html_page(tables, plots, columns, notes)
     else:
-        page = "# compaction-gym leaderboard\n\n" + markdown(tables, columns)
+        page = "# compaction-gym leaderboard\n\n" + markdown(tables, columns, notes)
         for paths in plots.values():
             page += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
     write_atomic(out / f"leaderboard.{fmt}", page)

@@ -1,6 +1,7 @@
 """Pieces both leaderboard reports share (:mod:`.report` for env suites, :mod:`.lm_report` for
 language-modelling ones; docs/leaderboard.md, "Show"): number cells, a paired comparison's cells,
-records grouped by method, a method's score-with-SE line, and the figure's finish."""
+the stale mark and footnotes, records grouped by method, a method's score-with-SE line, and the
+figure's finish."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from compaction_gym.leaderboard.compliance import CheckResult
+from compaction_gym.leaderboard.staleness import STALE_MARK, record_stale, stale_note
 
 
 def dash(x: Any, fmt: str) -> str:
@@ -23,6 +25,17 @@ def comparison_cells(comp: dict[str, Any] | None, diff: str, ci: str, p: str) ->
     lo, hi = comp["ci95"]
     delta = f"{format(comp['mean_diff'], diff)} [{dash(lo, ci)}, {dash(hi, ci)}]"
     return delta, " / ".join(format(comp[k], p) for k in ("t_pvalue", "wilcoxon_pvalue", "sign_pvalue"))
+
+
+def stale_mark(record: dict[str, Any]) -> str:
+    """`` †`` after a stale record's score (docs/leaderboard.md, "Stale records"), else nothing."""
+    return f" {STALE_MARK}" if record_stale(record) is not None else ""
+
+
+def stale_notes(records: dict[str, list[tuple[dict[str, Any], CheckResult]]]) -> dict[str, str]:
+    """``{suite: footnote}`` for the suites with stale records."""
+    notes = {suite: stale_note([rec for rec, _ in entries]) for suite, entries in records.items()}
+    return {suite: note for suite, note in notes.items() if note}
 
 
 def records_by_method(entries: list[tuple[dict[str, Any], CheckResult]]) -> dict[str, list[dict[str, Any]]]:

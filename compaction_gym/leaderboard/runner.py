@@ -22,6 +22,7 @@ from typing import Any
 
 from compaction_gym.agents.evaluate import load_backend, play
 from compaction_gym.agents.trajectory import Trajectory, jsonable
+from compaction_gym.compaction.revisions import COMPACTION_REVISION
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.evaluation.summary import finite
 from compaction_gym.leaderboard.audit import AUDIT_FILE, audit_entries, write_audit
@@ -38,6 +39,7 @@ from compaction_gym.leaderboard.record import (
     seal,
 )
 from compaction_gym.leaderboard.record_checks import json_close
+from compaction_gym.leaderboard.staleness import made_at, refuse_stale_cell
 from compaction_gym.leaderboard.store import (
     TOKENIZER_PATTERNS,
     WEIGHT_PATTERNS,
@@ -125,12 +127,14 @@ def record_head(suite: SuiteFile[Any], cell: Any) -> dict[str, Any]:
 
 
 def run_provenance(started_at: str, wall_time_s: float, backend: Any, **extra: Any) -> dict[str, Any]:
-    """A record's ``provenance``: times, code and environment (:func:`provenance`), hardware, argv."""
+    """A record's ``provenance``: times, code and environment (:func:`provenance`), the compaction
+    revision (docs/leaderboard.md, "Stale records"), hardware, argv."""
     return {
         "started_at": started_at,
         "finished_at": now_iso(),
         "wall_time_s": wall_time_s,
         **provenance(),
+        "compaction_revision": COMPACTION_REVISION,
         "hardware": hardware(backend),
         "argv": sys.argv,
         **extra,
@@ -242,7 +246,9 @@ def prepare_cell(output: str | Path, cell: Cell) -> Path:
     """Create the cell's directory and ``cell.json`` (its config hash); returns the directory.
 
     Raises:
-        InvalidArgumentError: the directory holds episodes of another config.
+        InvalidArgumentError: the directory holds episodes of another config, or episodes of a
+            compaction revision that a later one changed for this cell's method
+            (:func:`.staleness.refuse_stale_cell`).
     """
     directory = cell_dir(output, cell)
     directory.mkdir(parents=True, exist_ok=True)
@@ -255,8 +261,22 @@ def prepare_cell(output: str | Path, cell: Cell) -> Path:
                 f"{previous['config_sha256'][:12]}, suite now {cell.config_sha256()[:12]}); "
                 "use another --output or delete that directory"
             )
+        if any(
+            (directory / f).exists() and (directory / f).stat().st_size
+            for f in (TRAJECTORIES_FILE, RECORD_FILE)
+        ):
+            refuse_stale_cell(directory, cell.config()["compaction"], made_at(previous))
+        if previous.get("compaction_revision") != COMPACTION_REVISION:  # its episodes hold now
+            write_json_atomic(cell_file, {**previous, "compaction_revision": COMPACTION_REVISION})
     else:
-        write_json_atomic(cell_file, {"config": cell.config(), "config_sha256": cell.config_sha256()})
+        write_json_atomic(
+            cell_file,
+            {
+                "config": cell.config(),
+                "config_sha256": cell.config_sha256(),
+                "compaction_revision": COMPACTION_REVISION,
+            },
+        )
     return directory
 
 

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-MODULES = ["scoring", "beta", "values", "api", "probes", "baselines", "events"]
+MODULES = ["scoring", "beta", "values", "api", "probes", "baselines", "events", "revisions"]
 
 
 @pytest.mark.parametrize("name", MODULES)
