@@ -6,12 +6,14 @@
 #   MODE=start MINUTES=20 bash benchmarks/recipes/grpo_babyai_memory/gpu.sh [run.py `all` flags]
 #   MODE=wait SLEEP=540 bash benchmarks/recipes/grpo_babyai_memory/gpu.sh   # next calls, back to back
 #   MODE=pack bash benchmarks/recipes/grpo_babyai_memory/gpu.sh             # wait for the end, bring back
+#                                                                          # results + every variant's weights
 #
 # Needs the wheels the machine lacks (gymnasium, minigrid, pygame-ce, trl, datasets, dill,
 # multiprocess, jsonschema + its three dependencies) carried in .whl* folders: start installs every
 # `.whl*/*.whl` it finds into /tmp/site once. The machine goes back 30 s after a call ends: issue the
 # next call at once. Flags after the mode go to `run.py all` (default: every variant + the baseline,
-# `--fast`: CUDA-graph rollouts, whose Triton kernels compile in the first process).
+# `--fast`: CUDA-graph rollouts, whose Triton kernels compile in the first process). On a machine
+# with several GPUs `all` spreads its processes over them (`--gpus N` for fewer).
 #
 # MINUTES  the whole run's wall budget (run.py all --minutes; default 20)
 # OUTDIR   where the runs go on the machine (default /tmp/grpo)
