@@ -369,3 +369,17 @@ def test_curves_smooth_with_a_trailing_mean():
     assert run.trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert run.trailing_mean([4.0, 0.0, 2.0], 5) == [4.0, 2.0, 2.0]
     assert run.trailing_mean([], 3) == []
+
+
+def test_held_out_chart_draws_every_evaluated_run(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def ev(mean, modes=("attention_matching", "none"), step=None):
+        out = {m: {"overall": {"progression": {"mean": mean, "se": 1.0}}, "seeds": [0, 1]} for m in modes}
+        return {**out, "evaluated_step": step} if step is not None else out
+
+    summary = {"runs": {"baseline": {"eval": ev(90.0)}, "am_grad": {"eval": ev(92.0, step=3)}, "failed": {}}}
+    png = tmp_path / "held_out.png"
+    assert run.plot_held_out(summary, png) and png.stat().st_size > 0
+    assert not run.plot_held_out({"runs": {"failed": {}}}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

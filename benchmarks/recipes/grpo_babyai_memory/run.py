@@ -525,6 +525,19 @@ def read_log(run: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "train_runtime" not in r]
 
 
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot: matplotlib is not installed; nothing drawn (run `plot` later)", file=sys.stderr)
+        return None
+    return plt
+
+
 def trailing_mean(values: list[float], window: int) -> list[float]:
     """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
     return [
@@ -537,13 +550,8 @@ def plot_runs(runs: list[Path], png: Path, smooth: int = 5) -> bool:
     """Curves of :data:`CURVES` for each run: every step faint, the trailing mean of ``smooth`` steps
     bold (each step plays only a few env seeds, so one step's reward is mostly its seeds'
     difficulty); ``False`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot: matplotlib is not installed; curves not drawn (run `plot` later)", file=sys.stderr)
+    plt = _pyplot()
+    if plt is None:
         return False
     cols = 4
     rows = math.ceil(len(CURVES) / cols)
@@ -570,12 +578,8 @@ def plot_runs(runs: list[Path], png: Path, smooth: int = 5) -> bool:
 def plot_held_out(summary: dict[str, Any], png: Path) -> bool:
     """Bars of each run's held-out overall progression (± SE) per evaluation mode, the baseline
     first; ``False`` without matplotlib or without any evaluation."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     runs = {name: run["eval"] for name, run in summary["runs"].items() if run.get("eval")}
     modes = list(
