@@ -20,10 +20,19 @@ replaying the recorded events. Per config and engine path (``generic``: the HF m
 Default: a random-weight Qwen3-0.6B-shaped model in bf16 on CUDA; without CUDA a tiny random Qwen3
 in float32 on CPU (the replay-equals-rollout regime of the tests).
 
+``--batch B`` measures instead what a GRPO step replays: ``B`` sessions played together (one
+``step_batch`` per turn, KV-budget Attention Matching, turn inputs of varying length so the
+sessions' events fall at different tokens) and replayed as one batch by both methods of
+:func:`~compaction_gym.trainers.replay.replay_logprobs_batch` — ``one_pass`` (one forward, the
+caches rebuilt inside each layer) and ``segments`` (one forward per stretch between events) —
+against a plain forward of the same right-padded batch (no compaction, the same log-prob scoring),
+forward and forward + backward, each the median of ``--repeats``.
+
 Usage:
     python benchmarks/bench_replay.py                 # GPU: qwen3-0.6b bf16, both engine paths
     python benchmarks/bench_replay.py --grad --repeats 5
     python benchmarks/bench_replay.py --model tiny --device cpu
+    python benchmarks/bench_replay.py --batch 8 --turns 40 --grad   # a GRPO batch, BabyAI-length
 """
 
 from __future__ import annotations
@@ -88,6 +97,10 @@ def make_parser() -> argparse.ArgumentParser:
                    "meaningless mismatch), 0.1 gives peaked ones (the entropy column shows it)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--batch", type=int, default=0,
+                   help="GRPO-batch workload: this many sessions replayed together (0: one session per config)")
+    p.add_argument("--config", default="AM kv-budget", help="--batch: the compaction config (a row name)")
+    p.add_argument("--methods", nargs="+", default=["one_pass", "segments"], help="--batch: replay methods")
     return p
 
 
@@ -184,6 +197,116 @@ def measure(model, view, args) -> dict[str, object]:
     return row
 
 
+def batch_sessions(engine: Engine, config: CompactionConfig, args, vocab: int) -> list:
+    """``--batch`` sessions played together; turn inputs vary in length (±50 %) per session."""
+    from compaction_gym.engine import CreateRequest, StepRequest
+
+    g = torch.Generator().manual_seed(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.turn_tokens, ignore_eos=True)
+    lo, hi = max(1, args.turn_input // 2), args.turn_input * 3 // 2
+    results = engine.step_batch(
+        [CreateRequest(ids(args.prompt), config, sampling.replace(seed=args.seed + i)) for i in range(args.batch)]
+    )
+    sids = [r.session_id for r in results]
+    for _ in range(args.turns):
+        sizes = torch.randint(lo, hi + 1, (len(sids),), generator=g).tolist()
+        engine.step_batch([StepRequest(s, ids(n), sampling) for s, n in zip(sids, sizes)])
+    views = [engine.session(s) for s in sids]
+    for s in sids:
+        engine.close(s)
+    return views
+
+
+def plain_batch_logprobs(model, views, grad: bool) -> list[torch.Tensor]:
+    """One forward over the right-padded batch (no compaction), scored like the replay."""
+    from compaction_gym.trainers.replay_onepass import score_hidden
+    from compaction_gym.trainers.replay_plan import Plan, TrajectoryPlan
+
+    device = next(model.parameters()).device
+    rows = []
+    for v in views:
+        targets = [p for p, m in enumerate(v.completion_mask) if m]
+        rows.append(TrajectoryPlan([int(t) for t in v.token_ids], targets[-1], targets, 1.0, 0))
+    width = max(r.end for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : r.end] = torch.tensor(r.tokens[: r.end])
+        mask[b, : r.end] = 1
+    plan = Plan(rows, width, 0, 0)
+    with torch.enable_grad() if grad else torch.no_grad(), use_attention(model, "sdpa"):
+        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        logps, _, _ = score_hidden(model.get_output_embeddings(), hidden.last_hidden_state, plan, softcap=None,
+                                   compute_entropy=False, return_logits=False)  # fmt: skip
+    return logps
+
+
+def measure_batch(model, views, args) -> list[list[object]]:
+    """Rows ``[method, max |Δ|, KL k3, fwd s, fwd ratio, (fwd+bwd s, ratio), peak GiB]``."""
+    device = args.device
+    masks = [torch.tensor(v.completion_mask, dtype=torch.bool) for v in views]
+    rollout = [torch.tensor(v.logprobs, dtype=torch.float64) for v in views]
+
+    def run(method: str, grad: bool) -> list[torch.Tensor]:
+        if method == "plain":
+            return plain_batch_logprobs(model, views, grad)
+        return replay_logprobs_batch(model, views, grad=grad, method=method).logprobs
+
+    def step(method: str) -> None:
+        torch.stack([lp.sum() for lp in run(method, True)]).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    rows, base = [], {}
+    for method in ["plain", *args.methods]:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        lps = run(method, False)
+        delta = torch.cat([(lp.double().cpu() - r)[m] for lp, r, m in zip(lps, rollout, masks)])
+        fwd = timed(lambda method=method: run(method, False), device, args.repeats)
+        base.setdefault("fwd", fwd)
+        row = [method, delta.abs().max().item(), (delta.exp() - delta - 1).mean().item(), fwd, fwd / base["fwd"]]
+        if args.grad:
+            try:
+                both = timed(lambda method=method: step(method), device, args.repeats)
+                base.setdefault("both", both)
+                row += [both, both / base["both"]]
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                row += [float("nan"), float("nan")]
+        row.append(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"))
+        rows.append(row)
+        print(f"{method}: fwd {fwd:.3f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def main_batch(args, model) -> int:
+    vocab = model.config.vocab_size
+    capacity = args.prompt + (args.turns + 1) * (args.turn_input * 3 // 2 + args.turn_tokens) + 16
+    fast = args.device == "cuda" and args.engine != "generic"
+    engine = Engine(model, None, max_slots=args.batch, capacity=min(capacity, 2 * args.max_kv_len + 512), fast=fast)
+    config = configs(args)[args.config]
+    t = time.perf_counter()
+    views = batch_sessions(engine, config, args, vocab)
+    gen_s = time.perf_counter() - t
+    del engine
+    tokens = [len(v.token_ids) for v in views]
+    events = [len(v.events) for v in views]
+    print(f"\n{device_line()}; model {args.model} {args.dtype}; {args.batch} sessions ({args.config}, "
+          f"{'fast' if fast else 'generic'} engine, {gen_s:.1f} s): prompt {args.prompt}, {args.turns} turns × "
+          f"({args.turn_input // 2}–{args.turn_input * 3 // 2} in + {args.turn_tokens} sampled); tokens "
+          f"{min(tokens)}–{max(tokens)} (Σ {sum(tokens)}), events {min(events)}–{max(events)} (Σ {sum(events)}); "
+          f"max_kv_len {args.max_kv_len}, window {args.max_kv_len // 2}, ratio 0.25, {args.probes} probes\n")  # fmt: skip
+    headers = ["method", "max |Δ|", "KL k3", "fwd s", "fwd ratio"]
+    if args.grad:
+        headers += ["fwd+bwd s", "fwd+bwd ratio"]
+    print_table([*headers, "peak GiB"], measure_batch(model, views, args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     gpu = args.device == "cuda"
@@ -202,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu:
         paths = [p for p in paths if p == "generic"]
     model = build_model(args)
+    if args.batch:
+        return main_batch(args, model)
     vocab = model.config.vocab_size
     capacity = args.prompt + (args.turns + 1) * (args.turn_input + args.turn_tokens) + 16
     engines = {}

@@ -17,10 +17,11 @@ from compaction_gym.errors import InvalidArgumentError
 PEAK_RIDGE_FACTOR = 100.0
 
 
-def relative_ridge(x: torch.Tensor, ridge: float) -> torch.Tensor:
+def relative_ridge(x: torch.Tensor, ridge: float, probes: torch.Tensor | None = None) -> torch.Tensor:
     """Per problem ``ridge · (1 + (PEAK_RIDGE_FACTOR − 1) · clamp(2 − n/t, 0, 1))`` ``[B]`` for a
-    design ``x`` ``[B, n, t]`` whose all-zero rows are padding (``n`` counts the others)."""
-    probes = (x != 0).any(-1).sum(-1).to(x.dtype)
+    design ``x`` ``[B, n, t]`` whose all-zero rows are padding (``n`` counts the others, unless
+    given as ``probes`` ``[B]``)."""
+    probes = (x != 0).any(-1).sum(-1).to(x.dtype) if probes is None else probes.to(x.dtype)
     peak = (2 - probes / x.shape[-1]).clamp(0, 1)
     return ridge * (1 + (PEAK_RIDGE_FACTOR - 1) * peak)
 
@@ -34,12 +35,21 @@ def ridge_system(
     ``10·eps·trace(xᵀx)`` so a singular ``xᵀx`` (``ridge=0`` with duplicate keys or fewer probes
     than keys) still factors.
     """
+    a, lam = normal_matrix(x, ridge)
+    return a, x.mT @ y + lam[:, None, None] * prior, lam
+
+
+def normal_matrix(
+    x: torch.Tensor, ridge: float, probes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left-hand side ``xᵀx + λI`` of :func:`ridge_system` and ``λ`` ``[B]`` (``probes``: the
+    real probes per problem, when known, as :func:`relative_ridge` takes them)."""
     t = x.shape[-1]
     gram = x.mT @ x
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
-    lam = torch.maximum(relative_ridge(x, ridge) * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
+    lam = torch.maximum(relative_ridge(x, ridge, probes) * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
     eye = torch.eye(t, dtype=x.dtype, device=x.device)
-    return gram + lam[:, None, None] * eye, x.mT @ y + lam[:, None, None] * prior, lam
+    return gram + lam[:, None, None] * eye, lam
 
 
 def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,8 +61,19 @@ from compaction_gym.trainers.replay_attention import (
     unwrap,
     use_attention,
 )
+from compaction_gym.trainers.replay_onepass import (
+    OnePassReplay,
+    fused_scores,
+    padded_inputs,
+    score_hidden,
+    shifted_labels,
+)
+from compaction_gym.trainers.replay_plan import build_plan, checked_events, one_pass_supported
 
-__all__ = ["ReplayOutput", "replay_logprobs", "replay_logprobs_batch"]
+__all__ = ["REPLAY_METHODS", "ReplayOutput", "replay_logprobs", "replay_logprobs_batch"]
+
+#: How :func:`replay_logprobs_batch` rebuilds the caches (its ``method``).
+REPLAY_METHODS: tuple[str, ...] = ("auto", "one_pass", "segments")
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +174,7 @@ def replay_logprobs_batch(
     fused_lm_head: bool = False,
     max_tokens_per_forward: int = 2048,
     batch_events: bool = True,
+    method: str = "auto",
 ) -> ReplayOutput:
     """:func:`replay_logprobs` for several trajectories, batched.
 
@@ -185,6 +197,13 @@ def replay_logprobs_batch(
             of alike events (same mode, span length, target, probe count, β flags) across
             trajectories, on the spans' rows only; ``False``: one call per event on the whole
             cache (the reference path; both agree to float rounding, docs/grpo.md "Replay cost").
+            Segment replay only.
+        method: ``"one_pass"``: one forward over the whole trajectories, each layer rebuilding
+            its compacted caches (:mod:`compaction_gym.trainers.replay_onepass`; docs/grpo.md
+            "Replay in one pass"); ``"segments"``: one forward per stretch between events (the
+            reference; ``max_tokens_per_forward`` and ``batch_events`` apply to it);
+            ``"auto"`` (default): one pass on an accelerator unless an event needs the segments
+            (``repeat`` probes, version-1 records whose β is refitted); segments on a CPU.
 
     Returns:
         :class:`ReplayOutput`.
@@ -201,9 +220,27 @@ def replay_logprobs_batch(
         raise InvalidArgumentError(
             f"positions must give one entry per trajectory ({len(trajectories)}), got {len(positions)}"
         )
+    if method not in REPLAY_METHODS:
+        raise InvalidArgumentError(f"method must be one of {REPLAY_METHODS}, got {method!r}")
     base = unwrap(model)
     layout = ModelLayout.from_model(base)
     param = next(base.parameters())
+    one_pass = all(one_pass_supported(list(t.events)) for t in trajectories)
+    if method == "one_pass" and not one_pass:
+        raise InvalidArgumentError(
+            "method='one_pass' cannot replay repeat probes or version-1 records whose beta is refitted: "
+            "use method='segments' (or 'auto')"
+        )
+    # on a CPU replay is compute-bound, and the one-pass value maps (t × span instead of t × head
+    # dim) cost more than the segments' extra forwards save (docs/grpo.md, "Replay in one pass")
+    if method == "one_pass" or (method == "auto" and one_pass and param.device.type != "cpu"):
+        out = _replay_one_pass(
+            model, base, layout, param, trajectories, grad=grad, through=grad and grad_through_compaction,
+            temperature=temperature, positions=positions, compute_entropy=compute_entropy,
+            return_logits=return_logits, fused_lm_head=fused_lm_head,
+        )  # fmt: skip
+        if out is not None:
+            return out
     rows = [
         _Row(t, None if positions is None else positions[i], layout, param.device, i, temperature)
         for i, t in enumerate(trajectories)
@@ -243,6 +280,91 @@ def replay_logprobs_batch(
     )
 
 
+def _replay_one_pass(
+    model: torch.nn.Module,
+    base: torch.nn.Module,
+    layout: ModelLayout,
+    param: torch.Tensor,
+    trajectories: Sequence[Replayable],
+    *,
+    grad: bool,
+    through: bool,
+    temperature: float | None,
+    positions: Sequence[Sequence[int] | None] | None,
+    compute_entropy: bool,
+    return_logits: bool,
+    fused_lm_head: bool,
+) -> ReplayOutput | None:
+    """:func:`replay_logprobs_batch` by one forward (docs/grpo.md, "Replay in one pass"); ``None``
+    when a value map's solve failed (the caller replays by segments)."""
+    targets = [
+        scored_positions(t, None if positions is None else positions[i], i) for i, t in enumerate(trajectories)
+    ]
+    configs = []
+    for t in trajectories:
+        cfg = _session_config(t)
+        configs.append((int(cfg.get("n_probe_queries", 256)), float(cfg.get("ridge", 1e-4))))
+    plan = build_plan(
+        list(trajectories),
+        targets=targets,
+        temperatures=[temperature if temperature is not None else sampling_temperature(t) for t in trajectories],
+        configs=configs,
+        n_layers=layout.n_layers,
+        n_kv_heads=layout.n_kv_heads,
+    )
+    device = param.device
+    replay = OnePassReplay(
+        plan, device, through=through, head_dim=layout.head_dim, q_heads=layout.n_q_heads, probe_dtype=param.dtype,
+        scale=layout.scale,
+    )  # fmt: skip
+    ids, pos = padded_inputs(plan)
+    kwargs: dict[str, Any] = {
+        "input_ids": ids.to(device), "position_ids": pos.to(device), "use_cache": False, "replay_plan": replay,
+    }  # fmt: skip
+    name = register_replay_attention()
+    if base.config._attn_implementation == name:
+        switch = contextlib.nullcontext()
+    elif grad and getattr(base, "is_gradient_checkpointing", False):
+        install_replay_attention(base)
+        switch = contextlib.nullcontext()
+    else:
+        switch = use_attention(model, name)
+    entropies = logits = None
+    with torch.enable_grad() if grad else torch.no_grad(), switch:
+        if fused_lm_head:
+            out = model(**kwargs, shift_labels=shifted_labels(plan).to(device), fused_lm_head=True)
+            logps, entropies = fused_scores(out, plan, compute_entropy)
+        else:
+            hf = base.get_base_model() if hasattr(base, "get_base_model") else base
+            hidden = hf.get_decoder()(**kwargs).last_hidden_state
+            softcap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)
+            logps, entropies, logits = score_hidden(
+                hf.get_output_embeddings(), hidden, plan, softcap=softcap,
+                compute_entropy=compute_entropy, return_logits=return_logits,
+            )  # fmt: skip
+    if replay.failed and bool(torch.cat([f.reshape(-1) for f in replay.failed]).any()):
+        # a value map whose normal equations did not factor: the segment replay has the
+        # pseudo-inverse fallback of ridge_solve (one host synchronisation, here at the end)
+        logger.warning("one-pass replay: a C2 solve did not factor; replaying by segments instead")
+        return None
+    return ReplayOutput(
+        logprobs=logps, entropies=entropies, logits=logits, num_events=[r.num_events for r in plan.rows]
+    )
+
+
+def scored_positions(traj: Replayable, positions: Sequence[int] | None, i: int) -> list[int]:
+    """The sorted positions of trajectory ``i`` to score (default: its sampled tokens), checked."""
+    n = len(traj.token_ids)
+    if positions is None:
+        positions = [p for p, m in enumerate(traj.completion_mask) if m]
+    targets = sorted({int(p) for p in positions})
+    if targets and not 1 <= targets[0] <= targets[-1] < n:
+        raise InvalidArgumentError(
+            f"trajectory {i}: positions to score must lie in [1, {n}), got {targets[0]}..{targets[-1]}"
+        )
+    return targets
+
+
 # --------------------------------------------------------------------------------------- rows
 def sampling_temperature(traj: Any) -> float:
     """The temperature ``traj``'s tokens were sampled at: ``traj.sampling`` (a dict for
@@ -278,29 +400,12 @@ class _Row:
     ) -> None:
         self.tokens = [int(t) for t in traj.token_ids]
         self.temperature = temperature if temperature is not None else sampling_temperature(traj)
-        n = len(self.tokens)
-        if positions is None:
-            positions = [p for p, m in enumerate(traj.completion_mask) if m]
-        targets = sorted({int(p) for p in positions})
-        if targets and not 1 <= targets[0] <= targets[-1] < n:
-            raise InvalidArgumentError(
-                f"trajectory {i}: positions to score must lie in [1, {n}), got {targets[0]}..{targets[-1]}"
-            )
-        self.targets = targets
-        self.end = targets[-1] if targets else 0  # tokens [0, end) must be fed
+        self.targets = scored_positions(traj, positions, i)
+        self.end = self.targets[-1] if self.targets else 0  # tokens [0, end) must be fed
         cfg = _session_config(traj)
         self.n_probe = int(cfg.get("n_probe_queries", 256))
         self.ridge = float(cfg.get("ridge", 1e-4))
-        events = sorted(traj.events, key=lambda e: e.index)
-        last = 0
-        for e in events:
-            if not last <= e.logical_len <= n or e.logical_len < 1:
-                raise InvalidArgumentError(
-                    f"trajectory {i}: event {e.index} fires at logical_len={e.logical_len}, not in "
-                    f"[max(1, previous event's {last}), {n}]"
-                )
-            last = e.logical_len
-        self.events = [e for e in events if e.logical_len < self.end]  # later ones change no score
+        self.events = checked_events(traj, i, self.end)  # later ones change no score
         self.index, self.layout, self.device = i, layout, device
         self.next_event = 0
         self.k: torch.Tensor | None = None  # [L, H_kv, T, d]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -90,12 +91,17 @@ def replay_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     replay_round: ReplayRound | None = None,
+    replay_plan: Any = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """SDPA over ``[past | new]`` rows with the round's mask and β; returns ``([B, N, H_q, d_v], None)``.
 
-    Without a ``replay_round`` (a plain forward) it is Hugging Face's SDPA attention.
+    With a ``replay_plan`` (one-pass replay, :class:`~compaction_gym.trainers.replay_onepass.
+    OnePassReplay`) the plan computes the layer's attention; without either (a plain forward) it is
+    Hugging Face's SDPA attention.
     """
+    if replay_plan is not None:
+        return replay_plan.attend(module.layer_idx, query, key, value, scaling), None
     if replay_round is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -50,7 +50,7 @@ def both_paths(model, views, grad: bool, through: bool, temperature: float, cap:
         model.zero_grad(set_to_none=True)
         out = replay_logprobs_batch(
             model, views, grad=grad, grad_through_compaction=through, temperature=temperature,
-            max_tokens_per_forward=cap, batch_events=batched,
+            max_tokens_per_forward=cap, batch_events=batched, method="segments",
         )  # fmt: skip
         grads = None
         if grad:
@@ -111,7 +111,7 @@ def test_events_of_one_round_share_one_call(engine, model, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(replay_mod, "apply_event", counting)
-    out = replay_logprobs_batch(model, views, batch_events=True)
+    out = replay_logprobs_batch(model, views, batch_events=True, method="segments")
     events = sum(out.num_events)
     assert events >= 6
     assert len(calls) < events

@@ -1,0 +1,609 @@
+"""One-pass replay: a batch of compacted trajectories scored by one forward of the model.
+
+The segment-by-segment replay (:mod:`compaction_gym.trainers.replay`) runs one forward per
+stretch of tokens between events, so its cost grows with the number of events (6.5–10.5× a plain
+forward on a GPU, docs/benchmarks.md). This module runs the model once over the whole,
+right-padded trajectories and rebuilds the compacted caches *inside each layer*: a layer's
+queries, keys and values of every token are known at once, and everything an event needs at that
+layer is one of them (the plan's key sources, the suffix queries) or a recorded constant (kept
+indices, β). Per layer, in the layer's attention call:
+
+1. **value maps**: every refitting event's ``M = ridge_solve(X, P, S)`` ``[t, w]`` — all events of
+   the batch in one batched solve per group of equal span width and target;
+2. **C2**: ``M · V_span`` in dependency order (an event's span holds the previous events' fitted
+   rows: one gather and one product per level of that chain, all trajectories at once);
+3. **attention**: every segment's queries over its cache snapshot (gathered) and its own earlier
+   tokens, in a few padded SDPA calls, β added per key row.
+
+The result equals the segment-by-segment replay up to float rounding (tests compare both, values
+and gradients); docs/grpo.md, "Replay in one pass".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
+
+from compaction_gym.compaction import _checks as C
+from compaction_gym.compaction.scoring import attention_logits
+from compaction_gym.compaction.values import cholesky_solve_ex, normal_matrix
+from compaction_gym.engine.attention import grouped_sdpa
+from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
+
+#: Pieces whose key widths differ by less than this factor share one padded SDPA call.
+BUCKET_SPREAD = 1.3
+
+
+@dataclass
+class _Rows:
+    """Indices (or biases) ``[L, H, n]`` stored as one row every (layer, KV head) shares plus
+    per-(layer, head) values at a few columns: raw rows are shared, a block's rows are not."""
+
+    base: torch.Tensor  # [n]
+    cols: torch.Tensor  # [k]
+    vals: torch.Tensor | None  # [L, H, k], None when k = 0
+
+    def at(self, layer: int, heads: int) -> torch.Tensor:
+        """``[H, n]`` at ``layer`` (``[1, n]`` when every head shares the row)."""
+        if self.vals is None:
+            return self.base[None]
+        out = self.base.expand(heads, -1).clone()
+        out[:, self.cols] = self.vals[layer]
+        return out
+
+
+class _RowsBuilder:
+    """Host side of :class:`_Rows`: rows appended piece by piece."""
+
+    def __init__(self, lh: int, dtype: type = np.int64) -> None:
+        self.lh, self.dtype = lh, dtype
+        self.base: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.n = 0
+
+    def add(self, base: np.ndarray, cols: np.ndarray | None = None, vals: np.ndarray | None = None) -> None:
+        """Append ``base`` ``[m]``; per head ``vals`` ``[LH, k]`` replace it at columns ``cols``."""
+        self.base.append(base.astype(self.dtype, copy=False))
+        if cols is not None and cols.size:
+            self.cols.append(cols + self.n)
+            self.vals.append(vals.T)  # [k, LH]: concatenated along rows, transposed on the device
+        self.n += base.shape[0]
+
+    def build(self, device: torch.device, n_layers: int, n_kv_heads: int) -> _Rows:
+        dt = torch.long if self.dtype is np.int64 else torch.float32
+        base = torch.as_tensor(np.concatenate(self.base), dtype=dt, device=device)
+        if not self.cols:
+            return _Rows(base, base.new_zeros(0, dtype=torch.long), None)
+        cols = torch.as_tensor(np.concatenate(self.cols), device=device)
+        vals = torch.as_tensor(np.concatenate(self.vals).astype(self.dtype, copy=False), dtype=dt, device=device)
+        return _Rows(base, cols, vals.T.reshape(n_layers, n_kv_heads, -1))
+
+
+@dataclass
+class _Group:
+    """Fits of equal span width, target, probe kind, β-ness and ridge, sorted by level."""
+
+    width: int
+    target: int
+    kind: str
+    ridge: float
+    n: int  # probes per event, padded
+    count: int
+    keys: _Rows  # [L, H, E·w] the span's key rows
+    bias: _Rows | None  # [L, H, E·w] the span's bias
+    kept: torch.Tensor  # [L, E·H, t]
+    beta: torch.Tensor | None  # [L, E·H, t]
+    raw_idx: torch.Tensor  # [E·w] the span's raw value rows (fitted columns: 0)
+    raw_mask: torch.Tensor  # [E, 1, 1, w] bool
+    probe_idx: torch.Tensor | _Rows | None  # suffix: [E, n] token rows; keys: [L, H, E·n] key rows
+    probes: torch.Tensor | None  # random: [L, E·H, n, d]
+    probe_mask: torch.Tensor | None  # [E, n] bool, or None when no padding
+    probe_counts: torch.Tensor  # [E·H] real probes per problem
+    fit_cols: torch.Tensor | None  # [E·H, t, f] (expanded) the span's columns holding fitted rows, padded
+    fit_valid: torch.Tensor | None  # [E, 1, 1, f] which of them are real
+    slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # level -> events [lo, hi)
+    # level -> (levels read, rows [E_level·H·f] of their concatenated event-major C2)
+    chain: dict[int, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _Bucket:
+    pieces: int
+    queries: int
+    width: int
+    keys: _Rows  # [L, H, P·W] key rows
+    values: _Rows  # [L, H, P·W] value rows (raw, then fitted)
+    bias: _Rows | None  # [L, H, P·W] float32
+    allowed: torch.Tensor  # [P, n_q, W] bool
+    qrows: torch.Tensor  # [P, n_q] token rows
+
+
+class OnePassReplay:
+    """A :class:`~compaction_gym.trainers.replay_plan.Plan` on the device, and the attention that
+    uses it: the object passed to the model as ``replay_plan`` (the attention function calls
+    :meth:`attend`)."""
+
+    def __init__(self, plan: Plan, device: torch.device, *, through: bool, head_dim: int, q_heads: int,
+                 probe_dtype: torch.dtype, scale: float) -> None:  # fmt: skip
+        self.plan, self.device, self.through, self.scale = plan, device, through, scale
+        self.batch, self.width = len(plan.rows), plan.width
+        self.rows = self.batch * self.width  # raw token rows (per head)
+        self.n_layers, self.n_kv_heads = plan.n_layers, plan.n_kv_heads
+        self.lh = self.n_layers * self.n_kv_heads
+        self._q_heads = q_heads
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
+        self._layout_fits()
+        self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
+        self._build_buckets()
+
+    # ------------------------------------------------------------------------------- host → device
+    def _key_rows(self, b: int, tokens: np.ndarray, block: bool = False) -> np.ndarray:
+        out = b * self.width + tokens
+        if block and not self.through:
+            out = out + self.rows  # compacted rows read the detached copy of the keys
+        return out
+
+    def _value_rows(self, b: int, vsrc: np.ndarray) -> np.ndarray:
+        fitted = self.rows + self._fitted_pos[np.clip(-1 - vsrc, 0, len(self._fitted_pos) - 1)]
+        return np.where(vsrc >= 0, b * self.width + vsrc, np.where(vsrc == PER_HEAD, 0, fitted))
+
+    def _snapshot_rows(self, b: int, snap: Snapshot, keys: _RowsBuilder, values: _RowsBuilder | None,
+                       bias: _RowsBuilder | None, pad: int = 0, attention: bool = False) -> None:  # fmt: skip
+        """Append ``snap``'s rows (then ``pad`` zeros) to the builders; ``attention``: rows the
+        attention reads (its block keys are the detached copy when gradients stop at the blocks)."""
+        blocks = snap.blocks
+        zeros = np.zeros(pad, np.int64)
+        keys.add(np.concatenate([np.where(snap.kcol >= 0, self._key_rows(b, snap.kcol), 0), zeros]),
+                 blocks, self._key_rows(b, snap.bk, block=attention))  # fmt: skip
+        if values is not None:
+            varies = snap.vcol[blocks] == PER_HEAD
+            values.add(np.concatenate([self._value_rows(b, snap.vcol), zeros]), blocks[varies],
+                       self._value_rows(b, snap.bv[:, varies]))  # fmt: skip
+        if bias is not None:
+            bias.add(np.zeros(snap.length + pad, np.float32), blocks, snap.bb)
+
+    def _layout_fits(self) -> None:
+        """Group the fits and place every fitted row: level by level, group by group, so that a
+        level's C2 is one tensor."""
+        plan = self.plan
+        by_key: dict[tuple, list[Fit]] = {}
+        for f in plan.fits:
+            key = (f.width, f.target, f.probe[0], f.beta is not None, f.ridge)
+            by_key.setdefault(key, []).append(f)
+        self._members = [sorted(fs, key=lambda f: f.level) for fs in by_key.values()]
+        self.levels = sorted({f.level for f in plan.fits})
+        # event-major C2 of a level: group by group, [E_level, H, t, d] each, flattened to rows
+        self._flat_at: dict[int, tuple[int, int, int]] = {}  # fit.first -> (level, flat offset, t)
+        self._level_flat_rows: dict[int, int] = {}
+        for lv in self.levels:
+            off = 0
+            for fs in self._members:
+                for f in (f for f in fs if f.level == lv):
+                    self._flat_at[f.first] = (lv, off, f.target)
+                    off += self.n_kv_heads * f.target
+            self._level_flat_rows[lv] = off
+        self._firsts = np.array(sorted(self._flat_at), np.int64)
+        self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
+        self._level_start: dict[int, int] = {}
+        self._level_rows: dict[int, int] = {}
+        pos = 0
+        for lv in self.levels:
+            self._level_start[lv] = pos
+            for fs in self._members:
+                for f in fs:
+                    if f.level == lv:
+                        self._fitted_pos[f.first : f.first + f.target] = pos + np.arange(f.target)
+                        pos += f.target
+            self._level_rows[lv] = pos - self._level_start[lv]
+
+    def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
+        dev, L, H = self.device, self.n_layers, self.n_kv_heads
+        E, w, t = len(fs), fs[0].width, fs[0].target
+        kind = fs[0].probe[0]
+        n = max(f.n_probes for f in fs)
+        keys, bias = _RowsBuilder(self.lh), _RowsBuilder(self.lh, np.float32)
+        for f in fs:
+            self._snapshot_rows(f.row, f.span, keys, None, bias)
+        def per_eh(a: list[np.ndarray]) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t], permuted on the device
+            x = torch.as_tensor(np.stack(a), device=dev)
+            return x.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1)
+
+        vcol = np.concatenate([f.span.vcol for f in fs])
+        raw_rows = np.concatenate([np.where(f.span.vcol >= 0, self._value_rows(f.row, f.span.vcol), 0) for f in fs])
+        g = _Group(
+            width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E,
+            keys=keys.build(dev, L, H),
+            bias=bias.build(dev, L, H) if any(np.any(f.span.bb != 0) for f in fs) else None,
+            kept=per_eh([f.kept for f in fs]),
+            beta=per_eh([f.beta for f in fs]).float() if fs[0].beta is not None else None,
+            raw_idx=torch.as_tensor(raw_rows, device=dev),
+            raw_mask=torch.as_tensor((vcol >= 0).reshape(E, 1, 1, w), device=dev),
+            probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
+        )  # fmt: skip
+        counts = np.array([f.n_probes for f in fs])
+        if (counts != n).any():
+            g.probe_mask = torch.as_tensor(np.arange(n)[None, :] < counts[:, None], device=dev)
+        groups = self._q_heads // H if kind == "suffix" else 1
+        g.probe_counts = torch.as_tensor(np.repeat(counts * groups, H), device=dev)
+        fitted = [np.flatnonzero(f.span.vcol < 0) for f in fs]
+        width = max(len(c) for c in fitted)
+        if width:
+            cols = np.zeros((E, width), np.int64)
+            for e, c in enumerate(fitted):
+                cols[e, : len(c)] = c
+            g.fit_cols = torch.as_tensor(cols, device=dev).repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1)
+            g.fit_valid = torch.as_tensor(
+                (np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]).reshape(E, 1, 1, width),
+                device=dev,
+            )
+        if kind == "suffix":
+            rows = np.zeros((E, n), np.int64)
+            for e, f in enumerate(fs):
+                a, b = f.probe[1], f.probe[2]
+                rows[e, : b - a] = f.row * self.width + np.arange(a, b)
+            g.probe_idx = torch.as_tensor(rows, device=dev)
+        elif kind == "keys":
+            probe_keys = _RowsBuilder(self.lh)
+            for f in fs:
+                self._snapshot_rows(f.row, f.probe[1], probe_keys, None, None, pad=n - f.n_probes)
+            g.probe_idx = probe_keys.build(dev, L, H)
+        else:  # random
+            probes = torch.zeros(L, E, H, n, head_dim, dtype=probe_dtype, device=dev)
+            for e, f in enumerate(fs):
+                p = random_probe_tensor(f, L, H, head_dim, probe_dtype, dev)
+                probes[:, e, :, : p.shape[1]] = p.reshape(L, H, p.shape[1], head_dim)
+            g.probes = probes.reshape(L, E * H, n, head_dim)
+        lo = 0
+        for lv in sorted({f.level for f in fs}):
+            hi = lo + sum(1 for f in fs if f.level == lv)
+            g.slices[lv] = (lo, hi)
+            if lv > 0:
+                g.chain[lv] = self._chain(fs[lo:hi], g.fit_cols.shape[-1])
+            lo = hi
+        return g
+
+    def _chain(self, fs: list[Fit], width: int) -> tuple[list[int], torch.Tensor]:
+        """Where the fitted rows the spans of ``fs`` read lie in the event-major C2 of the levels
+        they come from (concatenated): ``(levels, rows [E·H·f])`` (padding: row 0)."""
+        H = self.n_kv_heads
+        firsts = self._firsts
+        meta = np.array([self._flat_at[int(f)] for f in firsts], np.int64).reshape(-1, 3)  # level, offset, t
+        rows = np.zeros((len(fs), H, width), np.int64)
+        ids = [-1 - f.span.vcol[f.span.vcol < 0] for f in fs]
+        owners = [np.searchsorted(firsts, j, side="right") - 1 for j in ids]
+        refs = sorted({int(x) for o in owners for x in np.unique(meta[o, 0])})
+        at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)
+        start = 0
+        for lv in refs:
+            at[lv] = start
+            start += self._level_flat_rows[lv]
+        heads = np.arange(H)[:, None]
+        for e, (j, o) in enumerate(zip(ids, owners)):
+            lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
+            rows[e, :, : len(j)] = (at[lv] + off + j - firsts[o])[None, :] + heads * t[None, :]
+        return refs, torch.as_tensor(rows.reshape(-1), device=self.device)
+
+    def _build_buckets(self) -> None:
+        plan = self.plan
+        widths = {id(p): p.width(plan.snapshots[p.ctx].length) for p in plan.pieces}
+        pieces = sorted(plan.pieces, key=lambda p: widths[id(p)])
+        groups: list[list[Piece]] = []
+        for p in pieces:
+            if groups and widths[id(p)] <= BUCKET_SPREAD * widths[id(groups[-1][0])]:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        self.buckets = [self._bucket(ps) for ps in groups]
+        offsets = np.cumsum([0] + [b.pieces * b.queries for b in self.buckets])
+        inv = np.full(self.rows, offsets[-1], np.int64)  # padding tokens read the zero row
+        for k, ps in enumerate(groups):
+            nq = self.buckets[k].queries
+            for j, p in enumerate(ps):
+                inv[p.row * self.width + np.arange(p.q0, p.q1)] = offsets[k] + j * nq + np.arange(p.q1 - p.q0)
+        self.inv = torch.as_tensor(inv, device=self.device)
+
+    def _bucket(self, ps: list[Piece]) -> _Bucket:
+        plan, dev = self.plan, self.device
+        L, H = self.n_layers, self.n_kv_heads
+        P = len(ps)
+        W = max(p.width(plan.snapshots[p.ctx].length) for p in ps)
+        nq = max(p.q1 - p.q0 for p in ps)
+        big = np.iinfo(np.int64).max
+        keys, values = _RowsBuilder(self.lh), _RowsBuilder(self.lh)
+        bias = _RowsBuilder(self.lh, np.float32) if plan.has_bias else None
+        colpos = np.full((P, W), big, np.int64)
+        qrows = np.zeros((P, nq), np.int64)
+        qpos = np.full((P, nq), big - 1, np.int64)  # padding queries see every real column
+        for j, p in enumerate(ps):
+            snap = plan.snapshots[p.ctx]
+            c, own = snap.length, np.arange(p.start, p.q1)
+            pad = W - c - own.size
+            self._snapshot_rows(p.row, snap, keys, values, bias, attention=True)
+            own_rows = np.concatenate([p.row * self.width + own, np.zeros(pad, np.int64)])
+            keys.add(own_rows)
+            values.add(own_rows)
+            if bias is not None:
+                bias.add(np.zeros(own.size + pad, np.float32))
+            colpos[j, :c] = -1
+            colpos[j, c : c + own.size] = own
+            qrows[j, : p.q1 - p.q0] = p.row * self.width + np.arange(p.q0, p.q1)
+            qpos[j, : p.q1 - p.q0] = np.arange(p.q0, p.q1)
+        return _Bucket(
+            pieces=P, queries=nq, width=W, keys=keys.build(dev, L, H), values=values.build(dev, L, H),
+            bias=None if bias is None else bias.build(dev, L, H),
+            allowed=torch.as_tensor(colpos[:, None, :] <= qpos[:, :, None], device=dev),
+            qrows=torch.as_tensor(qrows, device=dev),
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------------- per layer
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:  # fmt: skip
+        """The layer's attention output ``[B, N, H_q, d_v]`` over the replayed caches."""
+        B, Hq, N, d = query.shape
+        H = key.shape[1]
+        keys = key.transpose(0, 1).reshape(H, B * N, d)
+        values = value.transpose(0, 1).reshape(H, B * N, value.shape[-1])
+        with record_function("replay.compacted_values"):
+            fitted = self._fitted_values(layer, query, keys, values)
+        key_rows = keys if self.through else torch.cat([keys, keys.detach()], 1)
+        value_rows = torch.cat([values, *fitted], 1) if fitted else values
+        flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
+        with record_function("replay.attention"):
+            outs = [self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets]
+            outs.append(outs[0].new_zeros(1, Hq, outs[0].shape[-1]))
+        return torch.cat(outs).index_select(0, self.inv).reshape(B, N, Hq, -1)
+
+    def _bucket_attention(self, b: _Bucket, layer: int, flat_q: torch.Tensor, key_rows: torch.Tensor,
+                          value_rows: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+        """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``."""
+        H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
+        kp = _gather_rows(key_rows, b.keys.at(layer, H)).reshape(H, b.pieces, b.width, d).transpose(0, 1)
+        vp = _gather_rows(value_rows, b.values.at(layer, H))
+        vp = vp.reshape(H, b.pieces, b.width, -1).transpose(0, 1)
+        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
+        if b.bias is None:
+            out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
+        else:  # β: float32 product, as the engine and the segment replay
+            dtype = torch.promote_types(flat_q.dtype, torch.float32)
+            bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, 1, b.width).transpose(0, 1)
+            mask = self._mask(b, dtype, Hq // H) + bias.to(dtype)
+            with torch.autocast(flat_q.device.type, enabled=False):
+                out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling, compute_dtype=dtype)
+        return out.reshape(b.pieces * b.queries, Hq, -1)
+
+    def _mask(self, b: _Bucket, dtype: torch.dtype, groups: int) -> torch.Tensor:
+        """The bucket's additive mask ``[P, 1, G·n_q, W]`` (the same at every layer: built once)."""
+        key = (id(b), dtype)
+        if key not in self._masks:
+            m = torch.zeros(b.allowed.shape, dtype=dtype, device=self.device)
+            m.masked_fill_(~b.allowed, float("-inf"))
+            self._masks[key] = m[:, None].repeat(1, 1, groups, 1)
+        return self._masks[key]
+
+    def _fitted_values(self, layer: int, query: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
+        """Every fitted row's C2 at this layer, level by level: ``[H, rows_of_level, d_v]`` each."""
+        if not self.groups:
+            return []
+        grad = self.through and torch.is_grad_enabled()
+        if not grad:
+            query, keys, values = query.detach(), keys.detach(), values.detach()
+        H, dv = keys.shape[0], values.shape[-1]
+        cdt = C.compute_dtype(values.dtype)
+        with torch.set_grad_enabled(grad), torch.autocast(query.device.type, enabled=False):
+            with record_function("replay.value_maps"):
+                maps = []
+                for g in self.groups:
+                    if grad:  # the solves' intermediates are large: recompute them in backward
+                        m = checkpoint(self._value_map, g, layer, query, keys, use_reentrant=False)
+                    else:
+                        m = self._value_map(g, layer, query, keys)
+                    maps.append(m)
+            with record_function("replay.c2_chain"):
+                raw, fit = [], []
+                for g, m in zip(self.groups, maps):
+                    span = _per_event(_gather_rows(values, g.raw_idx[None]), g.count, g.width).to(cdt)
+                    raw.append(_masked(m, g.raw_mask, g.count) @ span)  # the raw columns' share, all levels
+                    if g.fit_cols is not None:  # the fitted columns' maps, [E·H, t, f]
+                        fit.append(_masked(torch.gather(m, 2, g.fit_cols), g.fit_valid, g.count))
+                    else:
+                        fit.append(None)
+                flat: dict[int, torch.Tensor] = {}  # level -> event-major C2 rows [Σ E·H·t, d_v]
+                for lv in self.levels:
+                    parts = []
+                    for g, r, mf in zip(self.groups, raw, fit):
+                        if lv not in g.slices:
+                            continue
+                        lo, hi = g.slices[lv]
+                        c2 = r[lo * H : hi * H]
+                        if lv in g.chain:
+                            refs, rows = g.chain[lv]
+                            src = flat[refs[0]] if len(refs) == 1 else torch.cat([flat[x] for x in refs])
+                            prev = src.index_select(0, rows).reshape((hi - lo) * H, -1, dv).to(cdt)
+                            c2 = torch.baddbmm(c2, mf[lo * H : hi * H], prev)
+                        parts.append(c2.to(values.dtype).reshape(-1, dv))
+                    flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                out = []
+                for lv in self.levels:  # [H, rows, d_v] for the attention's value rows
+                    parts, at = [], 0
+                    for g in self.groups:
+                        if lv in g.slices:
+                            lo, hi = g.slices[lv]
+                            n = (hi - lo) * H * g.target
+                            part = flat[lv][at : at + n].reshape(hi - lo, H, g.target, dv).transpose(0, 1)
+                            parts.append(part.reshape(H, -1, dv))
+                            at += n
+                    out.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
+        return out
+
+    def _value_map(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The group's value maps ``M`` ``[E·H, t, w]`` (compute dtype): ``C2 = M · V_span``.
+
+        The normal equations of :func:`~compaction_gym.compaction.values.fit_values` with the
+        probes' span attention ``P`` and the selection ``S`` in place of ``P·V`` and ``S·V``.
+        """
+        H, d = keys.shape[0], keys.shape[-1]
+        span_keys = _per_event(_gather_rows(keys, g.keys.at(layer, H)), g.count, g.width)
+        mask = g.probe_mask
+        if g.kind == "suffix":
+            groups = query.shape[1] // H
+            q4 = query.transpose(0, 1).reshape(H, groups, -1, d)  # index_select: its backward is an index_add
+            probes = q4.index_select(2, g.probe_idx.reshape(-1)).reshape(H, groups, g.count, g.n, d)
+            probes = probes.permute(2, 0, 1, 3, 4).reshape(g.count * H, groups * g.n, d)
+            if mask is not None:
+                mask = mask[:, None, None, :].expand(-1, H, groups, -1).reshape(g.count * H, groups * g.n)
+        else:
+            if g.kind == "keys":
+                probes = _per_event(_gather_rows(keys, g.probe_idx.at(layer, H)), g.count, g.n)
+            else:
+                probes = g.probes[layer].to(keys.dtype)
+            if mask is not None:
+                mask = mask[:, None, :].expand(-1, H, -1).reshape(g.count * H, g.n)
+        bias = None
+        if g.bias is not None:
+            bias = g.bias.at(layer, H).expand(H, -1).reshape(H, g.count, g.width).transpose(0, 1)
+            bias = bias.reshape(g.count * H, g.width)
+        with _exact_tf32(span_keys.dtype):
+            raw, logits = attention_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
+        kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
+        if g.beta is None:
+            kept_logits = torch.gather(logits, 2, kept)
+        else:
+            kept_logits = torch.gather(raw, 2, kept) + g.beta[layer].to(raw.dtype)[:, None, :]
+        x = torch.softmax(kept_logits, dim=-1)
+        attn = torch.softmax(logits, dim=-1)
+        if mask is not None:  # padding probes: zero rows of the design drop out of xᵀx and xᵀP
+            x = x * mask[:, :, None].to(x.dtype)
+        x64 = x.to(C.SOLVE_DTYPE)
+        a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
+        rhs = (x.mT @ attn).to(C.SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
+        rhs.scatter_add_(2, g.kept[layer][:, :, None], lam[:, None, None].expand(-1, g.target, 1))
+        m, ok = cholesky_solve_ex(a, rhs)
+        self.failed.append(~ok)
+        return m.to(C.compute_dtype(keys.dtype))
+
+
+@contextmanager
+def _exact_tf32(dtype: torch.dtype) -> Iterator[None]:
+    """Let float32 matrix products of half-precision values use TF32: a bf16/fp16 value is exact in
+    TF32's 10-bit mantissa, so the products are the float32 ones (accumulation stays float32)."""
+    if dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor:
+    """``M`` ``[E·H, t, w]`` with the columns ``[E, 1, 1, w]`` (raw or fitted ones) kept, the others 0."""
+    shape = m.shape
+    return (m.reshape(events, -1, *shape[1:]) * columns).reshape(shape)
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[h, idx[h, j]]`` ``[H, n, d]`` for ``x`` ``[H, R, d]`` and ``idx`` ``[H|1, n]``."""
+    idx = idx.expand(x.shape[0], -1)
+    return torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+def _per_event(x: torch.Tensor, events: int, width: int) -> torch.Tensor:
+    """``[H, E·w, d]`` → ``[E·H, w, d]`` (event-major, as the plan's ``E·H`` batch)."""
+    H = x.shape[0]
+    return x.reshape(H, events, width, -1).transpose(0, 1).reshape(events * H, width, -1)
+
+
+def score_hidden(
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    plan: Plan,
+    *,
+    softcap: float | None,
+    compute_entropy: bool,
+    return_logits: bool,
+    chunk: int = 1024,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Log-probs (and entropies, logits) of every row's targets from the final hidden states."""
+    logps: list[torch.Tensor] = []
+    ents: list[torch.Tensor] | None = [] if compute_entropy else None
+    logits_out: list[torch.Tensor] | None = [] if return_logits else None
+    device = hidden.device
+    for b, row in enumerate(plan.rows):
+        lp_parts, ent_parts, lg_parts = [], [], []
+        targets = row.targets
+        for s in range(0, len(targets), chunk):
+            pos = torch.tensor(targets[s : s + chunk], device=device)
+            logits = lm_head(hidden[b, pos - 1])
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / row.temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = torch.tensor([row.tokens[p] for p in targets[s : s + chunk]], device=device)
+            lp_parts.append(logp.gather(-1, tok[:, None])[:, 0])
+            if compute_entropy:
+                ent_parts.append(-(logp.exp() * logp).sum(-1))
+            if return_logits:
+                lg_parts.append(logits)
+        logps.append(_aligned(lp_parts, targets, len(row.tokens), hidden))
+        if ents is not None:
+            ents.append(_aligned(ent_parts, targets, len(row.tokens), hidden))
+        if logits_out is not None:
+            width = lm_head.weight.shape[0]
+            logits_out.append(torch.cat(lg_parts) if lg_parts else hidden.new_zeros(0, width, dtype=torch.float32))
+    return logps, ents, logits_out
+
+
+def _aligned(parts: Sequence[torch.Tensor], targets: list[int], n: int, like: torch.Tensor) -> torch.Tensor:
+    """Scores at ``targets`` in a zero vector of the trajectory's length (float32 at least)."""
+    if not parts:
+        return torch.zeros(n, device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
+    flat = torch.cat(parts)
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+    idx = torch.tensor(targets, device=flat.device)
+    return flat.new_zeros(n).index_put((idx,), flat)
+
+
+def fused_scores(out: Any, plan: Plan, compute_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Log-probs (entropies) from TRL's fused LM head output (``log_probs`` ``[B, N]``, shifted labels)."""
+    logps, ents = [], [] if compute_entropy else None
+    for b, row in enumerate(plan.rows):
+        cols = torch.tensor([p - 1 for p in row.targets], device=out.log_probs.device, dtype=torch.long)
+        logps.append(_aligned([out.log_probs[b, cols]] if row.targets else [], row.targets, len(row.tokens),
+                              out.log_probs))  # fmt: skip
+        if ents is not None:
+            ents.append(_aligned([out.entropy[b, cols]] if row.targets else [], row.targets, len(row.tokens),
+                                 out.log_probs))  # fmt: skip
+    return logps, ents
+
+
+def shifted_labels(plan: Plan) -> torch.Tensor:
+    """TRL's ``shift_labels`` ``[B, N]``: the target token at column ``p − 1``, −100 elsewhere."""
+    out = torch.full((len(plan.rows), plan.width), -100, dtype=torch.long)
+    for b, row in enumerate(plan.rows):
+        for p in row.targets:
+            out[b, p - 1] = row.tokens[p]
+    return out
+
+
+def padded_inputs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``position_ids`` ``[B, N]``: tokens ``[0, end)`` at their logical positions."""
+    ids = torch.zeros(len(plan.rows), plan.width, dtype=torch.long)
+    for b, row in enumerate(plan.rows):
+        ids[b, : row.end] = torch.tensor(row.tokens[: row.end], dtype=torch.long)
+    pos = torch.arange(plan.width).expand(len(plan.rows), -1).contiguous()
+    return ids, pos
+
+
+__all__ = ["OnePassReplay", "fused_scores", "padded_inputs", "score_hidden", "shifted_labels"]

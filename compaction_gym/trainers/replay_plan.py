@@ -1,0 +1,375 @@
+"""The host half of one-pass replay: every cache state of a batch of trajectories, from the records alone.
+
+One-pass replay (:mod:`compaction_gym.trainers.replay_onepass`, docs/grpo.md "Replay in one
+pass") runs the model once over whole trajectories and rebuilds each layer's compacted caches
+inside that layer. That works because a recorded event's *keys* are always raw keys: C1 gathers
+cache keys at recorded indices, and a kept block row's key is a raw token's key; β is a recorded
+constant. Only C2 is new data, and it is linear in the span's values: ``C2 = M · V_span`` with
+``M = ridge_solve(X, P, S)`` (the same normal equations as :func:`~compaction_gym.compaction.
+values.fit_values`, with the probes' span attention ``P`` and the selection ``S`` as right-hand
+sides). So the plan below can describe every cache row the rollout ever attended to as
+
+* a key source: a token position,
+* a value source: a token position (``>= 0``) or a fitted row (``-1 - j``, row ``j`` of the
+  plan's C2 table),
+* a constant bias (β; 0 for raw rows),
+
+raw rows shared by every (layer, KV head), a block's rows per head (:class:`Snapshot`),
+
+built by simulating the session's row bookkeeping (:class:`~compaction_gym.compaction.RowMap`)
+and checked against every record exactly as the segment-by-segment replay checks it. The device
+half only gathers and solves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from compaction_gym.compaction import RowMap
+from compaction_gym.compaction.events import CompactionEvent
+from compaction_gym.compaction.modes import REPEAT_SOURCES, SUFFIX_SOURCES, replay_needs_probes
+from compaction_gym.compaction.probes import key_probe_rows_of_range, random_probes
+from compaction_gym.errors import InvalidArgumentError
+
+#: Longest run of queries one attention piece holds (a long segment is cut into pieces).
+PIECE_QUERIES = 256
+
+
+def one_pass_supported(events: list[CompactionEvent]) -> bool:
+    """Whether one-pass replay can rebuild these events: not ``repeat`` probes (their queries need a
+    scratch forward over the cache, layer after layer) nor version-1 records whose β must be refit."""
+    for ev in events:
+        if ev.probe_source in REPEAT_SOURCES:
+            return False
+        if ev.compute_beta and ev.beta is None and ev.mode == "attention_matching":
+            return False
+    return True
+
+
+#: ``Snapshot.vcol`` of a block row whose value source differs per head (a kept, not refitted, row).
+PER_HEAD = np.iinfo(np.int64).min
+
+
+@dataclass
+class Snapshot:
+    """A cache state. Raw rows are the same for every (layer, KV head); a compacted block's rows
+    hold a different kept key (and bias, and for selection modes value) per head, so they are
+    stored apart, per head, in row order.
+
+    Attributes:
+        kcol: ``[T]`` the raw row's token, ``-1`` on block rows.
+        vcol: ``[T]`` the row's value source when every head shares it (a token ``>= 0`` or a
+            fitted row ``< 0``), :data:`PER_HEAD` otherwise.
+        bk, bv, bb: ``[LH, nb]`` per head, the block rows' key token, value source and bias.
+    """
+
+    kcol: np.ndarray
+    vcol: np.ndarray
+    bk: np.ndarray
+    bv: np.ndarray
+    bb: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return self.kcol.shape[0]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """Rows of compacted blocks, ascending."""
+        return np.flatnonzero(self.kcol < 0)
+
+    def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
+        blocks = self.blocks
+        rank = np.clip(np.searchsorted(blocks, rows), 0, max(len(blocks) - 1, 0))
+        in_block = self.kcol[rows] < 0
+        if not in_block.any():
+            return self.kcol[rows], self.vcol[rows], np.zeros(rows.shape, np.float32)
+        k = np.where(in_block, np.take_along_axis(self.bk, rank, 1), self.kcol[rows])
+        v = np.where(in_block, np.take_along_axis(self.bv, rank, 1), self.vcol[rows])
+        b = np.where(in_block, np.take_along_axis(self.bb, rank, 1), np.float32(0))
+        return k, v, b
+
+
+@dataclass
+class Fit:
+    """One event whose C2 is refitted: the inputs of its value map ``M`` ``[L·H, t, w]``.
+
+    ``kcol``/``vcol``/``bk``/``bb`` describe its span as :class:`Snapshot` does (the values of a
+    refitting session's rows are shared by every head)."""
+
+    row: int  # trajectory
+    event: CompactionEvent
+    span: Snapshot  # the span's rows
+    kept: np.ndarray  # [LH, t] kept rows, relative to the span
+    beta: np.ndarray | None  # [LH, t] recorded β, or None (kept rows keep their bias)
+    probe: tuple  # ("suffix", a, b) | ("keys", Snapshot of the probe rows) | ("random", seed, index, n)
+    first: int  # its fitted rows are first .. first + t - 1
+    level: int  # 1 + the deepest fit whose rows its span reads (0: raw rows only)
+    ridge: float
+
+    @property
+    def width(self) -> int:
+        return self.span.length
+
+    @property
+    def target(self) -> int:
+        return self.kept.shape[1]
+
+    @property
+    def n_probes(self) -> int:
+        kind = self.probe[0]
+        if kind == "suffix":
+            return self.probe[2] - self.probe[1]
+        if kind == "keys":
+            return self.probe[1].length
+        return self.probe[3]
+
+
+@dataclass
+class Piece:
+    """Queries ``[q0, q1)`` of trajectory ``row``, inside the segment starting at ``start``, over
+    cache snapshot ``ctx`` (the cache as it stood when the segment began)."""
+
+    row: int
+    q0: int
+    q1: int
+    start: int
+    ctx: int
+
+    def width(self, ctx_len: int) -> int:
+        return ctx_len + self.q1 - self.start
+
+
+@dataclass
+class TrajectoryPlan:
+    tokens: list[int]
+    end: int  # tokens [0, end) are fed
+    targets: list[int]
+    temperature: float
+    num_events: int
+
+
+@dataclass
+class Plan:
+    """A batch's replay plan (host side)."""
+
+    rows: list[TrajectoryPlan]
+    width: int  # padded sequence length
+    n_layers: int
+    n_kv_heads: int
+    fits: list[Fit] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    fitted_rows: int = 0
+    fitted_levels: list[int] = field(default_factory=list)  # per fitted row, its fit's level
+    has_bias: bool = False
+
+
+def build_plan(
+    trajectories: list[Any],
+    *,
+    targets: list[list[int]],
+    temperatures: list[float],
+    configs: list[tuple[int, float]],
+    n_layers: int,
+    n_kv_heads: int,
+    piece_queries: int = PIECE_QUERIES,
+) -> Plan:
+    """Simulate every trajectory's cache through its events (validated against the records).
+
+    Args:
+        trajectories: the trajectories (``token_ids``, ``events``).
+        targets: per trajectory, the sorted positions to score (``>= 1``).
+        temperatures: per trajectory, the logits' divisor.
+        configs: per trajectory, ``(n_probe_queries, ridge)`` of its session.
+        n_layers, n_kv_heads: the model's cache layout.
+        piece_queries: longest query run of one attention piece.
+
+    Raises:
+        InvalidArgumentError: a record that does not match what replay rebuilds (as the
+            segment-by-segment replay words it).
+    """
+    rows = []
+    for traj, tg, temp in zip(trajectories, targets, temperatures):
+        tokens = [int(t) for t in traj.token_ids]
+        rows.append(TrajectoryPlan(tokens, tg[-1] if tg else 0, tg, temp, 0))
+    plan = Plan(rows, max([r.end for r in rows] + [1]), n_layers, n_kv_heads)
+    for i, (traj, (n_probe, ridge)) in enumerate(zip(trajectories, configs)):
+        _simulate(plan, i, traj, n_probe, ridge, piece_queries)
+    return plan
+
+
+def checked_events(traj: Any, index: int, end: int) -> list[CompactionEvent]:
+    """The trajectory's events in order, checked for a non-decreasing clock; those that fire at or
+    after ``end`` are dropped (they change no score)."""
+    n = len(traj.token_ids)
+    events = sorted(traj.events, key=lambda e: e.index)
+    last = 0
+    for e in events:
+        if not last <= e.logical_len <= n or e.logical_len < 1:
+            raise InvalidArgumentError(
+                f"trajectory {index}: event {e.index} fires at logical_len={e.logical_len}, not in "
+                f"[max(1, previous event's {last}), {n}]"
+            )
+        last = e.logical_len
+    return [e for e in events if e.logical_len < end]
+
+
+def _simulate(plan: Plan, i: int, traj: Any, n_probe: int, ridge: float, piece_queries: int) -> None:
+    row = plan.rows[i]
+    lh = plan.n_layers * plan.n_kv_heads
+    events = checked_events(traj, i, row.end)
+    row.num_events = len(events)
+    empty = np.zeros((lh, 0), np.int64)
+    state = Snapshot(np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32))
+    row_map = RowMap()
+    fed, e_next = 0, 0
+    while fed < row.end or (e_next < len(events) and events[e_next].logical_len == fed):
+        if e_next < len(events) and events[e_next].logical_len == fed:
+            ev = events[e_next]
+            state, fit = _apply(plan, i, ev, state, row_map, n_probe, ridge)
+            if fit is not None:
+                plan.fits.append(fit)
+            e_next += 1
+            continue
+        stop = events[e_next].logical_len if e_next < len(events) else row.end
+        ctx = len(plan.snapshots)
+        plan.snapshots.append(state)
+        for q0 in range(fed, stop, piece_queries):
+            plan.pieces.append(Piece(i, q0, min(stop, q0 + piece_queries), fed, ctx))
+        raw = np.arange(fed, stop, dtype=np.int64)
+        state = Snapshot(
+            np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]), state.bk, state.bv, state.bb
+        )
+        row_map.append(fed, stop - fed)
+        fed = stop
+
+
+def _apply(
+    plan: Plan,
+    i: int,
+    ev: CompactionEvent,
+    state: Snapshot,
+    row_map: RowMap,
+    n_probe: int,
+    ridge: float,
+) -> tuple[Snapshot, Fit | None]:
+    """The cache after ``ev`` (and its fit, if it refits C2), checked against the record."""
+    where = f"trajectory {i}, event {ev.index}"
+    length = state.length
+    if length != ev.kv_len_before:
+        raise InvalidArgumentError(
+            f"{where}: the replayed cache holds {length} rows "
+            f"after {ev.logical_len} tokens but the rollout held {ev.kv_len_before}; the trajectory's events do "
+            "not belong to its tokens (or it was produced by a different engine configuration)"
+        )
+    start, end = ev.span
+    if not 0 <= start < end <= length:
+        raise InvalidArgumentError(f"{where}: span {ev.span} outside the cache's {length} rows")
+    if row_map.logical_span(start, end) != ev.logical_span:
+        raise InvalidArgumentError(
+            f"{where}: rows {ev.span} stand for logical tokens "
+            f"{row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
+        )
+    lh = plan.n_layers * plan.n_kv_heads
+    indices = ev.forced_indices().numpy()
+    t = indices.shape[1]
+    if indices.shape[0] != lh:
+        raise InvalidArgumentError(
+            f"{where}: indices hold {indices.shape[0]} (layer, KV head) rows, the model has {lh}"
+        )
+    if t and (indices.min() < start or indices.max() >= end or (np.diff(indices, axis=1) <= 0).any()):
+        raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
+    local = indices - start
+    kept_k, kept_v, old_b = state.rows_at(indices)
+    beta = ev.recorded_beta()
+    beta_np = None if beta is None or not ev.compute_beta else beta.numpy().astype(np.float32)
+    kept_b = beta_np if beta_np is not None else old_b
+    fit = None
+    if replay_needs_probes(ev.mode, ev.refit_values):
+        first = plan.fitted_rows
+        plan.fitted_rows += t
+        span_vcol = state.vcol[start:end]
+        if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
+            raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
+        refs = np.unique(-1 - span_vcol[span_vcol < 0])
+        level = 1 + max((plan.fitted_levels[r] for r in refs.tolist()), default=-1)
+        plan.fitted_levels.extend([level] * t)
+        blocks = state.blocks
+        inside = (blocks >= start) & (blocks < end)
+        span = Snapshot(
+            state.kcol[start:end].copy(), span_vcol.copy(), state.bk[:, inside], state.bv[:, inside], state.bb[:, inside]
+        )
+        fit = Fit(
+            row=i, event=ev, span=span, kept=local, beta=beta_np,
+            probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, level=level, ridge=ridge,
+        )  # fmt: skip
+        new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
+        kept_v = np.repeat(new_vcol[None], lh, 0)
+    else:
+        new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
+    if beta_np is not None and np.any(beta_np != 0):
+        plan.has_bias = True
+    blocks = state.blocks
+    before, after = blocks < start, blocks >= end
+    out = Snapshot(
+        np.concatenate([state.kcol[:start], np.full(t, -1, np.int64), state.kcol[end:]]),
+        np.concatenate([state.vcol[:start], new_vcol, state.vcol[end:]]),
+        np.concatenate([state.bk[:, before], kept_k, state.bk[:, after]], 1),
+        np.concatenate([state.bv[:, before], kept_v, state.bv[:, after]], 1),
+        np.concatenate([state.bb[:, before], kept_b.astype(np.float32), state.bb[:, after]], 1),
+    )
+    row_map.replace(start, end, t, ev.logical_span)
+    if out.length != ev.kv_len_after:
+        raise InvalidArgumentError(
+            f"{where}: {out.length} rows after replaying the event, the rollout had {ev.kv_len_after}"
+        )
+    return out, fit
+
+
+def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: int, where: str) -> tuple:
+    if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
+        raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
+    if ev.probe_source == "keys":
+        rows = ev.probe_rows
+        try:
+            if rows is None:  # a version-1 record: locate them as the engine chose them
+                rows = key_probe_rows_of_range(row_map, state.length, n_probe, ev.probe_logical_range)
+            ok = 0 <= rows[0] < rows[1] <= state.length
+            if not ok or row_map.logical_span(*rows) != ev.probe_logical_range:
+                raise InvalidArgumentError(
+                    f"probe_rows {rows} do not hold logical range {ev.probe_logical_range} in the replay"
+                )
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+        blocks = state.blocks
+        inside = (blocks >= rows[0]) & (blocks < rows[1])
+        probe = Snapshot(state.kcol[rows[0] : rows[1]].copy(), state.vcol[rows[0] : rows[1]].copy(),
+                         state.bk[:, inside], state.bv[:, inside], state.bb[:, inside])  # fmt: skip
+        return ("keys", probe)
+    if ev.probe_source in SUFFIX_SOURCES:
+        a, b = ev.probe_logical_range
+        if not 0 <= a < b <= ev.logical_len:
+            raise InvalidArgumentError(
+                f"{where}: suffix probes need the queries of logical "
+                f"positions [{a}, {b}) but only {max(0, min(b, ev.logical_len) - max(a, 0))} of them were fed "
+                "before the event"
+            )
+        return ("suffix", a, b)
+    if ev.probe_source == "random":
+        if ev.probe_seed is None:
+            raise InvalidArgumentError(f"event {ev.index}: random probes need probe_seed")
+        return ("random", ev.probe_seed, ev.index, n_probe)
+    raise InvalidArgumentError(f"{where}: probe_source {ev.probe_source!r} cannot be replayed in one pass")
+
+
+def random_probe_tensor(fit: Fit, n_layers: int, n_kv_heads: int, d: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:  # fmt: skip
+    """A ``random`` fit's probes ``[L·H_kv, n, d]``, regenerated exactly."""
+    _, seed, index, n = fit.probe
+    return random_probes(seed, index, n_layers, n_kv_heads, n, d, dtype=dtype, device=device)
