@@ -78,6 +78,7 @@ class Run:
     create_wall_s: float = 0.0
     create_tokens: int = 0
     step_latencies: list[float] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # session -> tokens generated while stepping
     batch_mean: float = float("nan")  # requests per engine batch while stepping (server runs)
     client_cpu_ms: float = float("nan")  # client CPU time per step request (server runs)
     server_cpu_ms: float = float("nan")  # server process CPU time per step request (server runs)
@@ -287,14 +288,14 @@ def step_all(
     vocab: int,
     steps: int,
     latencies: list[float],
-) -> int:
-    """Step session ``k`` ``steps`` times, appending each step's latency; tokens generated."""
-    tokens = 0
+) -> list[int]:
+    """Step session ``k`` ``steps`` times, appending each step's latency; the tokens generated."""
+    tokens: list[int] = []
     for ids in session_inputs(args, k, vocab)[1][:steps]:
         t0 = time.perf_counter()
         out = backend.step(sid, ids)
         latencies.append(time.perf_counter() - t0)
-        tokens += len(out.token_ids)
+        tokens += out.token_ids
     return tokens
 
 
@@ -341,7 +342,7 @@ def client_work(
         sync()
         out["step_t0"], cpu0 = time.monotonic(), _process_cpu_s()
         work = lambda i: step_all(backend, ks[i], created[i][0], args, vocab, steps, out["latencies"])  # noqa: E731
-        out["step_tokens"] = sum(pool.map(work, range(len(ks))))
+        out["outputs"] = dict(zip(ks, pool.map(work, range(len(ks)))))
         out["step_t1"], out["step_cpu_s"] = time.monotonic(), _process_cpu_s() - cpu0
         for sid, _ in created:
             backend.close(sid)
@@ -420,7 +421,8 @@ def measure(
     run.create_wall_s = max(r["create_t1"] for r in parts) - min(r["create_t0"] for r in parts)
     run.wall_s = max(r["step_t1"] for r in parts) - min(r["step_t0"] for r in parts)
     run.create_tokens = sum(r["create_tokens"] for r in parts)
-    run.tokens = sum(r["step_tokens"] for r in parts)
+    run.outputs = {k: v for r in parts for k, v in r["outputs"].items()}
+    run.tokens = sum(len(v) for v in run.outputs.values())
     run.step_latencies = [x for r in parts for x in r["latencies"]]
     s0, c0, cpu0 = stats[0]
     run.batch_mean = (s1 - s0) / max(1.0, c1 - c0)
@@ -481,6 +483,8 @@ def _embedded(args: argparse.Namespace, model: str) -> tuple[Run, Run, bool]:
                     t = time.perf_counter()
                     results += engine.step_batch([r])
                     run.step_latencies.append(time.perf_counter() - t)
+            for k, r in enumerate(results):
+                run.outputs.setdefault(k, []).extend(r.token_ids)
             run.tokens += sum(len(r.token_ids) for r in results)
         sync()
         run.wall_s = time.perf_counter() - t0
@@ -608,11 +612,23 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         )
     print(f"stepping throughput ratio (server concurrent / server one by one): {ratio:.2f}x")
     print(f"server concurrent / embedded step_batch (issue 28 target >= 0.80): {vs_embedded:.2f}")
+    same = {}
     if batched.tokens:
         print(
             f"embedded step_batch / embedded one by one (the batching ceiling): {batched.tokens_per_s / single.tokens_per_s:.2f}x"
         )
+        # the same workload, checked: sessions whose stepped tokens equal the embedded run's (on a GPU,
+        # bf16 results of different batch compositions may differ in a few sessions)
+        same = {
+            "concurrent_vs_step_batch": same_outputs(concurrent, batched),
+            "one_by_one_vs_one_by_one": same_outputs(sequential, single),
+        }
+        print(
+            f"sessions with the embedded run's tokens: concurrent {same['concurrent_vs_step_batch']} of "
+            f"{args.sessions}, one by one {same['one_by_one_vs_one_by_one']} of {args.sessions}"
+        )
     return {
+        "same_tokens": same,
         "args": {**vars(args), "step_len": list(args.step_len)},
         "device_name": device_name(args.device),
         "fast_path": fast,
@@ -626,6 +642,11 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
             "step_batch": batched.to_dict(),
         },
     }
+
+
+def same_outputs(a: Run, b: Run) -> int:
+    """Sessions whose stepped tokens are the same in runs ``a`` and ``b``."""
+    return sum(a.outputs.get(k) == v for k, v in b.outputs.items())
 
 
 def device_name(device: str) -> str:
