@@ -32,7 +32,7 @@ def _load(name: str, monkeypatch):
 
 def test_workload_flags_and_inputs(monkeypatch):
     bench = _load("bench_server", monkeypatch)
-    args = bench.parse_args("--step-len 50-70 --steps 5 --prompt-len 200 --new-tokens 32".split())
+    args = bench.parse_args(["--step-len", "50-70", "--steps", "5", "--prompt-len", "200", "--new-tokens", "32"])  # fmt: skip
     assert args.step_len == (50, 70) and args.sequential_steps == 5
     assert args.capacity >= 200 + 6 * (70 + 32) and args.capacity % 256 == 0
     assert bench.parse_args(["--step-len", "8"]).step_len == (8, 8)
@@ -96,10 +96,8 @@ def test_bench_runs_the_same_workload_through_the_server_and_the_engine(monkeypa
     bench = _load("bench_server", monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "out.json"
-    argv = (
-        "--sessions 4 --steps 2 --sequential-steps 1 --client-procs 2 --prompt-len 8 --step-len 2-5".split()
-    )
-    argv += ["--new-tokens", "4", "--temperature", "1.0", "--threads", "1", "--json", str(out)]
+    argv = ["--sessions", "4", "--steps", "2", "--sequential-steps", "1", "--client-procs", "2", "--prompt-len", "8",
+            "--step-len", "2-5", "--new-tokens", "4", "--temperature", "1.0", "--threads", "1", "--json", str(out)]  # fmt: skip
     result = bench.main(argv)
     assert json.loads(out.read_text())["server_vs_embedded"] == result["server_vs_embedded"]
     runs, embedded = result["runs"], result["engine_in_process"]
