@@ -200,6 +200,8 @@ def prepare_model(args: argparse.Namespace, tmp: str) -> str:
         path = args.model_dir or os.path.join(tmp, args.model)
         t0 = time.perf_counter()
         save_random_model(args.model, path, device=args.device, dtype=torch.bfloat16, seed=args.seed)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the server and the embedded engine load their own copy
         print(f"random {args.model} in {path} ({time.perf_counter() - t0:.1f} s)", flush=True)
         return path
     if args.model is not None:
@@ -579,7 +581,8 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         vocab = int(httpx.get(f"{url}/health").json()["vocab_size"])
         measure(url, args, vocab, concurrent=True)  # warm-up: the concurrent shapes
         concurrent = measure(url, args, vocab, concurrent=True, server_pid=proc.pid)
-        print(f"server, concurrent: {concurrent.tokens_per_s:.1f} tok/s", flush=True)
+        print(f"server, concurrent: {concurrent.tokens_per_s:.1f} tok/s, p50/p99 step {concurrent.pct(50):.1f}/"
+              f"{concurrent.pct(99):.1f} ms, mean batch {concurrent.batch_mean:.1f}", flush=True)  # fmt: skip
         measure(url, args, vocab, concurrent=False, steps=1)  # warm-up: batch 1
         sequential = measure(
             url, args, vocab, concurrent=False, steps=args.sequential_steps, server_pid=proc.pid

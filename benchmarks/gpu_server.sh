@@ -11,7 +11,7 @@
 #    client-side p50/p99 step latency.
 # 2. head-of-line: p50/p99 of a 2-token request while 1000-token requests run back to back,
 #    one-shot vs continuous batching (two servers on the same model folder).
-# Each part runs under `timeout` (T1, T2 seconds; default 300 + 200) so a hang cannot eat the call;
+# Each part runs under `timeout` (T1, T2 seconds; default 320 + 190) so a hang cannot eat the call;
 # logs and JSON land in OUT_DIR (server_throughput.{log,json}, server_hol.{log,json}).
 # Needs the wheels of benchmarks/gpu_wheels.sh in .whlS/ (carried: `carry: [".whlS"]`); without
 # .whlS the machine's own packages are used. Expected wall time on an H100: ~5-6 minutes.
@@ -21,8 +21,8 @@
 set -u
 O=${1:-${OUT:-/tmp/server-out}}
 MODEL=${MODEL:-qwen3-0.6b}
-T1=${T1:-300}
-T2=${T2:-200}
+T1=${T1:-320}
+T2=${T2:-190}
 DEVICE=${DEVICE:-cuda}
 EXTRA=${EXTRA:-}
 mkdir -p "$O"
@@ -48,7 +48,7 @@ timeout -k 15 "$T1" $B --sessions 64 --client-procs 8 --prompt-len 200 --step-le
 stamp "throughput exit $?"
 grep -v "it/s\]" "$O/server_throughput.log" | tail -14
 stamp "head-of-line"
-timeout -k 15 "$T2" $B --scenario head-of-line --probes 20 --long-tokens 1000 --server-start-s 120 \
+timeout -k 15 "$T2" $B --scenario head-of-line --probes 16 --long-tokens 1000 --server-start-s 120 \
   --json "$O/server_hol.json" $EXTRA >"$O/server_hol.log" 2>&1
 stamp "head-of-line exit $?"
 grep -v "it/s\]" "$O/server_hol.log" | tail -8
