@@ -434,6 +434,20 @@ def measure(
     return run
 
 
+def warm_up(url: str, args: argparse.Namespace, vocab: int) -> None:
+    """Untimed: waves of every batch size that has its own CUDA graph on the fast path (the server
+    batches whatever has arrived, so a timed run meets them all), then the concurrent run itself."""
+    from compaction_gym.engine.fast.runner import graph_buckets
+
+    t0 = time.perf_counter()
+    for b in graph_buckets(args.sessions):
+        measure(
+            url, argparse.Namespace(**{**vars(args), "sessions": b, "client_procs": 1}), vocab, True, steps=1
+        )
+    measure(url, args, vocab, concurrent=True)
+    print(f"server warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 # ------------------------------------------------------------------ the embedded engine
 def embedded(args: argparse.Namespace, model: str) -> tuple[Run, Run, bool]:
     """The same workload in process, without HTTP: (one by one, one ``step_batch`` per step, fast path on).
@@ -579,7 +593,7 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
     proc, url = start_server(args, model)
     try:
         vocab = int(httpx.get(f"{url}/health").json()["vocab_size"])
-        measure(url, args, vocab, concurrent=True)  # warm-up: the concurrent shapes
+        warm_up(url, args, vocab)
         concurrent = measure(url, args, vocab, concurrent=True, server_pid=proc.pid)
         print(f"server, concurrent: {concurrent.tokens_per_s:.1f} tok/s, p50/p99 step {concurrent.pct(50):.1f}/"
               f"{concurrent.pct(99):.1f} ms, mean batch {concurrent.batch_mean:.1f}", flush=True)  # fmt: skip
