@@ -390,7 +390,7 @@ def measure(
     ks = list(range(args.sessions))
     procs = args.client_procs if concurrent else 1
     with HTTPBackend(url) as probe:
-        stats: list[tuple[float, float]] = []
+        stats: list[tuple[float, float, float]] = []
         if procs == 1:
             calls = iter(range(3))
             sync = lambda: stats.append(_server_stats(probe, server_pid)) if next(calls) == 2 else None  # noqa: E731
