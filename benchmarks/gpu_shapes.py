@@ -11,6 +11,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,35 @@ def random_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfl
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
     register_attention()
     return model.eval()
+
+
+def save_random_model(
+    name: str, path: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Path:
+    """Write a :func:`random_model` of shape ``name`` and a small tokenizer to ``path``; return ``path``.
+
+    The folder loads like a downloaded checkpoint (``compaction-gym serve --model PATH``,
+    ``Engine.from_pretrained(PATH)``) in ``dtype`` (the checkpoint's dtype: ``--dtype auto``). The
+    tokenizer is the tiny models' byte-level BPE (:func:`compaction_gym.models.tiny.make_tokenizer`,
+    1,024 ids of the model's 151,936): the benchmarks send token ids, and a response's text is decoded
+    by it as a real server decodes it. A folder already holding this shape's config is reused.
+    """
+    from transformers import AutoConfig
+
+    from compaction_gym.models.tiny import make_tokenizer
+
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        config = AutoConfig.from_pretrained(path)
+        shape = {k: v for k, v in QWEN3_SHAPES[name].items() if isinstance(v, int)}
+        if all(getattr(config, k, None) == v for k, v in shape.items()):
+            return path
+    path.mkdir(parents=True, exist_ok=True)
+    model = random_model(name, device=device, dtype=dtype, seed=seed)
+    model.save_pretrained(str(path))
+    del model
+    make_tokenizer(path)
+    return path
 
 
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2 << 30, repeats: int = 20) -> float:
