@@ -10,6 +10,11 @@ from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.errors import InvalidArgumentError
 
+#: The dtype of C2's normal equations (float64 whatever the cache's dtype).
+SOLVE_DTYPE = C.SOLVE_DTYPE
+#: Internal precision of scores for a cache dtype: float64 for float64, float32 otherwise.
+compute_dtype = C.compute_dtype
+
 #: C2's relative ridge at and below one probe per kept key, in multiples of ``ridge``: the square
 #: least-squares fit (its interpolation peak) is ill-conditioned enough to turn a rollout's float32
 #: rounding into replay gaps past 1e-4. It falls linearly to 1× at two probes per kept key

@@ -118,6 +118,7 @@ def replay_logprobs(
     grad_through_compaction: bool = True,
     temperature: float | None = None,
     positions: Sequence[int] | None = None,
+    method: str = "auto",
 ) -> torch.Tensor:
     """Per-token log-probs of ``trajectory`` under ``model``, replaying its compaction events.
 
@@ -134,6 +135,7 @@ def replay_logprobs(
             recorded log-probs are the plain log-softmax).
         positions: logical positions to score (``>= 1``); default: the sampled tokens
             (``completion_mask == 1``).
+        method: how the caches are rebuilt, as :func:`replay_logprobs_batch` takes it.
 
     Returns:
         float32 (float64 for float64 models) ``[len(token_ids)]`` aligned to ``token_ids``: ``out[p]`` is the log-prob of
@@ -157,6 +159,7 @@ def replay_logprobs(
         grad_through_compaction=grad_through_compaction,
         temperature=temperature,
         positions=None if positions is None else [positions],
+        method=method,
     )
     return out.logprobs[0]
 

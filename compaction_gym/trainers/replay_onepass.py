@@ -31,9 +31,8 @@ import torch
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from compaction_gym.compaction import _checks as C
 from compaction_gym.compaction.scoring import attention_logits
-from compaction_gym.compaction.values import cholesky_solve_ex, normal_matrix
+from compaction_gym.compaction.values import SOLVE_DTYPE, cholesky_solve_ex, compute_dtype, normal_matrix
 from compaction_gym.engine.attention import grouped_sdpa
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
@@ -152,9 +151,12 @@ class OnePassReplay:
             out = out + self.rows  # compacted rows read the detached copy of the keys
         return out
 
-    def _value_rows(self, b: int, vsrc: np.ndarray) -> np.ndarray:
-        fitted = self.rows + self._fitted_pos[np.clip(-1 - vsrc, 0, len(self._fitted_pos) - 1)]
-        return np.where(vsrc >= 0, b * self.width + vsrc, np.where(vsrc == PER_HEAD, 0, fitted))
+    def _value_rows(self, b: int, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
+        """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``."""
+        copies = 1 if self.through else 2
+        fitted = copies * self.rows + self._fitted_pos[np.clip(-1 - vsrc, 0, len(self._fitted_pos) - 1)]
+        raw = b * self.width + vsrc + (0 if self.through else self.rows * np.asarray(block, np.int64))
+        return np.where(vsrc >= 0, raw, np.where(vsrc == PER_HEAD, 0, fitted))
 
     def _snapshot_rows(self, b: int, snap: Snapshot, keys: _RowsBuilder, values: _RowsBuilder | None,
                        bias: _RowsBuilder | None, pad: int = 0, attention: bool = False) -> None:  # fmt: skip
@@ -166,8 +168,9 @@ class OnePassReplay:
                  blocks, self._key_rows(b, snap.bk, block=attention))  # fmt: skip
         if values is not None:
             varies = snap.vcol[blocks] == PER_HEAD
-            values.add(np.concatenate([self._value_rows(b, snap.vcol), zeros]), blocks[varies],
-                       self._value_rows(b, snap.bv[:, varies]))  # fmt: skip
+            kept = attention & (snap.kcol < 0)  # a kept (not refitted) value is the block's own copy
+            values.add(np.concatenate([self._value_rows(b, snap.vcol, kept), zeros]), blocks[varies],
+                       self._value_rows(b, snap.bv[:, varies], attention))  # fmt: skip
         if bias is not None:
             bias.add(np.zeros(snap.length + pad, np.float32), blocks, snap.bb)
 
@@ -355,7 +358,7 @@ class OnePassReplay:
         with record_function("replay.compacted_values"):
             fitted = self._fitted_values(layer, query, keys, values)
         key_rows = keys if self.through else torch.cat([keys, keys.detach()], 1)
-        value_rows = torch.cat([values, *fitted], 1) if fitted else values
+        value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
         flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
         with record_function("replay.attention"):
             outs = [self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets]
@@ -398,7 +401,7 @@ class OnePassReplay:
         if not grad:
             query, keys, values = query.detach(), keys.detach(), values.detach()
         H, dv = keys.shape[0], values.shape[-1]
-        cdt = C.compute_dtype(values.dtype)
+        cdt = compute_dtype(values.dtype)
         with torch.set_grad_enabled(grad), torch.autocast(query.device.type, enabled=False):
             with record_function("replay.value_maps"):
                 maps = []
@@ -483,13 +486,13 @@ class OnePassReplay:
         attn = torch.softmax(logits, dim=-1)
         if mask is not None:  # padding probes: zero rows of the design drop out of xᵀx and xᵀP
             x = x * mask[:, :, None].to(x.dtype)
-        x64 = x.to(C.SOLVE_DTYPE)
+        x64 = x.to(SOLVE_DTYPE)
         a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
-        rhs = (x.mT @ attn).to(C.SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
+        rhs = (x.mT @ attn).to(SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
         rhs.scatter_add_(2, g.kept[layer][:, :, None], lam[:, None, None].expand(-1, g.target, 1))
         m, ok = cholesky_solve_ex(a, rhs)
         self.failed.append(~ok)
-        return m.to(C.compute_dtype(keys.dtype))
+        return m.to(compute_dtype(keys.dtype))
 
 
 @contextmanager

@@ -195,3 +195,34 @@ def test_inference_replays_take_their_own_batch_size(tiny_model_path, tmp_path):
     assert all(n == 2 for n, grad, _ in calls if grad)  # the policy's micro-batches
     with pytest.raises(InvalidArgumentError, match="replay_inference_batch_size must be >= 1"):
         CompactionGRPOConfig(str(tmp_path), bf16=False, use_cpu=True, replay_inference_batch_size=0)
+    with pytest.raises(InvalidArgumentError, match="replay_method must be one of"):
+        CompactionGRPOConfig(str(tmp_path), bf16=False, use_cpu=True, replay_method="layers")
+
+
+def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch):
+    """``replay_method="one_pass"`` reaches every replay call of a step, and the replayed log-probs
+    match the sampler's (the step's logged mismatch)."""
+    from compaction_gym.trainers.grpo import grpo_trainer as module
+    from compaction_gym.trainers.grpo.grpo_trainer import CompactionGRPOConfig, CompactionGRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    args = CompactionGRPOConfig(
+        str(tmp_path / "run"), env_id="AttnMatch-BabyAI-v0", env_kwargs=ENV_KWARGS, compaction=COMPACTION,
+        max_turn_tokens=6, num_generations=2, per_device_train_batch_size=2, max_steps=1, beta=0.05,
+        num_episodes=4, bf16=False, use_cpu=True, save_strategy="no", report_to="none", replay_method="one_pass",
+    )  # fmt: skip
+    methods = []
+    real = module.replay_logprobs_batch
+
+    def recording(*a, **kwargs):
+        methods.append(kwargs["method"])
+        return real(*a, **kwargs)
+
+    monkeypatch.setattr(module, "replay_logprobs_batch", recording)
+    trainer = CompactionGRPOTrainer(
+        model, args, reward_funcs=[even_tokens], processing_class=AutoTokenizer.from_pretrained(tiny_model_path)
+    )
+    trainer.train()
+    assert methods and set(methods) == {"one_pass"}
+    logged = [h["replay/max_abs_logprob_diff"] for h in trainer.state.log_history if "replay/max_abs_logprob_diff" in h]
+    assert logged and max(logged) < 1e-4

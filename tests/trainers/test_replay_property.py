@@ -1,5 +1,6 @@
 """Property: replay reproduces the rollout's sampled-token log-probs to < 1e-4 in float32, whatever the
-mode, probe source, temperature, trigger, batching, gradient path and weights (full or LoRA).
+mode, probe source, temperature, trigger, batching, gradient path, weights (full or LoRA) and replay
+method (one pass or segment by segment).
 
 Each example drives a real rollout on the tiny model's engine (several compaction events per
 session: a 64-row KV budget or a turn trigger), then replays it from the trajectory alone.
@@ -56,9 +57,9 @@ def test_lora_weights_differ_from_the_base(weights, tiny_model_path):
 # trigger, batching, gradient path and weight kind, then two drawn ones (7 × 5 examples in all).
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=5, deadline=None)
-@example(seed=0, probes="suffix", temperature=0.0, trigger="kv_budget", ratio=0.25, batched=False, grad=False, lora=False)
-@example(seed=1, probes="keys", temperature=1.0, trigger="turn", ratio=0.125, batched=True, grad=True, lora=False)
-@example(seed=2, probes="random", temperature=2.0, trigger="kv_budget", ratio=0.5, batched=True, grad=False, lora=True)
+@example(seed=0, probes="suffix", temperature=0.0, trigger="kv_budget", ratio=0.25, batched=False, grad=False, lora=False, method="one_pass")
+@example(seed=1, probes="keys", temperature=1.0, trigger="turn", ratio=0.125, batched=True, grad=True, lora=False, method="one_pass")
+@example(seed=2, probes="random", temperature=2.0, trigger="kv_budget", ratio=0.5, batched=True, grad=False, lora=True, method="one_pass")
 @given(
     seed=st.integers(0, 10_000),
     probes=st.sampled_from(["suffix", "keys", "random"]),
@@ -68,8 +69,9 @@ def test_lora_weights_differ_from_the_base(weights, tiny_model_path):
     batched=st.booleans(),
     grad=st.booleans(),
     lora=st.booleans(),
+    method=st.sampled_from(["one_pass", "segments"]),
 )
-def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigger, ratio, batched, grad, lora):
+def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigger, ratio, batched, grad, lora, method):
     engine, model = weights["lora" if lora else "full"]
     cfg = CompactionConfig(
         **MODES[mode], **TRIGGERS[trigger], queries=probes, compact_target_ratio=ratio, n_probe_queries=16
@@ -84,7 +86,7 @@ def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigge
         assert all(e.probe_rows is not None for e in view.events)
     replay_t = temperature if temperature > 0 else 1.0  # greedy rollouts record the plain log-softmax
     if not batched:
-        lp = replay_logprobs(model, view, temperature=replay_t, grad=grad)
+        lp = replay_logprobs(model, view, temperature=replay_t, grad=grad, method=method)
         assert max_sampled_diff(lp, view) < TOL
         return
     # batched with a second session of another seed (and the other trigger), fed in short chunks
@@ -94,7 +96,7 @@ def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigge
     )
     other = plain_session(engine, other_cfg, seed=seed + 1, sampling=sampling, turns=2)
     out = replay_logprobs_batch(
-        model, [view, other], temperature=replay_t, grad=grad, max_tokens_per_forward=7 + seed % 13
+        model, [view, other], temperature=replay_t, grad=grad, max_tokens_per_forward=7 + seed % 13, method=method
     )
     for lp, v in zip(out.logprobs, (view, other)):
         assert max_sampled_diff(lp, v) < TOL

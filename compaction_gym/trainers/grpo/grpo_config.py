@@ -10,6 +10,7 @@ from compaction_gym.agents.prompts import PROMPT_FORMATS
 from compaction_gym.engine import CompactionConfig, SamplingParams
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.devices import use_cpu_without_accelerator
+from compaction_gym.trainers.replay import REPLAY_METHODS
 
 
 @dataclass
@@ -69,16 +70,25 @@ class CompactionGRPOConfig(GRPOConfig):
             "constant). False detaches them, as the seeds did."
         },
     )
+    replay_method: str = field(
+        default="auto",
+        metadata={
+            "help": "How replay rebuilds the compacted caches: one_pass (one forward over the whole episodes, "
+            "each layer rebuilding its caches), segments (one forward per stretch between events) or auto "
+            "(one_pass on an accelerator, segments on a CPU and for what one pass cannot replay)."
+        },
+    )
     replay_max_tokens_per_forward: int = field(
-        default=2048, metadata={"help": "Longest run of tokens one episode feeds in one replay forward."}
+        default=2048,
+        metadata={"help": "Longest run of tokens one episode feeds in one replay forward (segment replay)."},
     )
     replay_inference_batch_size: int | None = field(
         default=None,
         metadata={
             "help": "Episodes replayed together by the log-prob passes without gradient (reference model, old "
-            "log-probs); None: TRL's chunk (per_device_train_batch_size). Each replay runs one forward per "
+            "log-probs); None: TRL's chunk (per_device_train_batch_size). A segment replay runs one forward per "
             "segment between events, so replaying the whole generation batch at once (e.g. 32) runs a quarter "
-            "of the forwards of 4 chunks of 8; the results do not depend on it."
+            "of the forwards of 4 chunks of 8 (one pass: one forward either way); the results do not depend on it."
         },
     )
     log_replay_mismatch: bool = field(
@@ -144,6 +154,8 @@ class CompactionGRPOConfig(GRPOConfig):
             raise InvalidArgumentError(
                 f"engine_continuous must be true or false, got {self.engine_continuous!r}"
             )
+        if self.replay_method not in REPLAY_METHODS:
+            raise InvalidArgumentError(f"replay_method must be one of {REPLAY_METHODS}, got {self.replay_method!r}")
         for name in ("num_episodes", "replay_max_tokens_per_forward"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")

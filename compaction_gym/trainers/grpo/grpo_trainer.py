@@ -287,6 +287,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
                 grad_through_compaction=self.args.grad_through_compaction,
                 temperature=self.temperature,
                 max_tokens_per_forward=self.args.replay_max_tokens_per_forward,
+                method=self.args.replay_method,
                 **kwargs,
             )
 

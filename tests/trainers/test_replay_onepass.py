@@ -1,0 +1,171 @@
+"""One-pass replay (``method="one_pass"``) equals the segment-by-segment replay and the rollout.
+
+The segment replay is the reference implementation (one forward per stretch between events, the
+engine's own ``apply_event``); the rollout's recorded log-probs are the independent reference of
+both. Sessions of several seeds, triggers and modes are replayed together (events of different
+sessions at different tokens, several per session, chains of events that re-compact earlier
+blocks), at temperature 1-2, with β on and off, gradients through the compacted blocks and stopped
+at them: log-probs, entropies, logits and parameter gradients agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from replay_helpers import MODES, SAMPLING, TOL, TRIGGERS, max_sampled_diff, plain_session
+
+from compaction_gym.engine import CompactionConfig
+from compaction_gym.errors import InvalidArgumentError
+from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
+from compaction_gym.trainers.replay_plan import build_plan, one_pass_supported
+
+#: One pass vs segments: the same operations in another order (float32).
+SAME = 2e-5
+
+
+def config(mode: str, trigger: str, **extra) -> CompactionConfig:
+    return CompactionConfig(**MODES[mode], **TRIGGERS[trigger], n_probe_queries=16, **extra)
+
+
+def both(model, views, **kwargs):
+    """``(one_pass, segments)`` outputs, each with its parameter gradients when ``grad``."""
+    results = []
+    for method in ("one_pass", "segments"):
+        model.zero_grad(set_to_none=True)
+        out = replay_logprobs_batch(model, views, method=method, **kwargs)
+        grads = None
+        if kwargs.get("grad"):
+            torch.stack([lp.sum() for lp in out.logprobs]).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out, grads))
+    model.zero_grad(set_to_none=True)
+    return results
+
+
+def assert_same(results, views) -> None:
+    (a, ga), (b, gb) = results
+    assert a.num_events == b.num_events
+    for x, y, v in zip(a.logprobs, b.logprobs, views):
+        assert (x.detach() - y.detach()).abs().max().item() < SAME
+        assert max_sampled_diff(x, v) < TOL
+    if ga is not None:
+        assert ga.keys() == gb.keys() and ga
+        for name in ga:
+            scale = gb[name].abs().max().clamp_min(1e-12)
+            assert ((ga[name] - gb[name]).abs().max() / scale).item() < 1e-4, name
+
+
+@pytest.mark.parametrize("trigger", list(TRIGGERS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_one_pass_equals_segments_every_mode(engine, model, mode, trigger):
+    views = [plain_session(engine, config(mode, trigger), seed=s, turns=4) for s in (5, 6)]
+    assert all(len(v.events) >= 2 for v in views)
+    assert_same(both(model, views, grad=True), views)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["attention_matching+beta", "attention_matching", "markovian", "h2o"]),
+    probes=st.sampled_from(["suffix", "keys", "random"]),
+    temperature=st.sampled_from([1.0, 1.5, 2.0]),
+    ratio=st.sampled_from([0.125, 0.25, 0.5]),
+    through=st.booleans(),
+)
+def test_one_pass_equals_segments_batched(engine, model, seed, mode, probes, temperature, ratio, through):
+    """Three sessions of other seeds, triggers and lengths in one call; gradients through the
+    compacted blocks or stopped at them."""
+    sampling = SAMPLING.replace(temperature=temperature)
+    views = [
+        plain_session(
+            engine, config(mode, trigger, queries=probes, compact_target_ratio=ratio), seed=seed + k,
+            turns=turns, sampling=sampling,
+        )  # fmt: skip
+        for k, (trigger, turns) in enumerate((("kv_budget", 4), ("turn", 3), ("kv_budget", 2)))
+    ]
+    results = both(model, views, grad=True, grad_through_compaction=through, temperature=temperature)
+    assert_same(results, views)
+
+
+def test_kv_budget_events_recompact_earlier_blocks(engine, model):
+    """The KV-budget trigger's spans hold the previous event's block: C2 of one event reads the C2
+    of the one before (a chain the one-pass replay solves level by level)."""
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=9, turns=5)]
+    plan = build_plan(
+        views, targets=[[p for p, m in enumerate(views[0].completion_mask) if m]], temperatures=[1.0],
+        configs=[(16, 1e-4)], n_layers=2, n_kv_heads=2,
+    )  # fmt: skip
+    assert max(f.level for f in plan.fits) >= 3
+    assert_same(both(model, views, grad=True), views)
+
+
+def test_entropies_and_logits_match(engine, model):
+    views = [
+        plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=11, turns=3),
+        plain_session(engine, CompactionConfig(), seed=12, turns=1),
+    ]
+    a, b = (replay_logprobs_batch(model, views, method=m, compute_entropy=True, return_logits=True, temperature=1.3)
+            for m in ("one_pass", "segments"))  # fmt: skip
+    for x, y in zip(a.entropies, b.entropies):
+        assert (x - y).abs().max().item() < SAME
+    for x, y in zip(a.logits, b.logits):
+        assert x.shape == y.shape and (x - y).abs().max().item() < 1e-4
+
+
+def test_one_pass_refuses_what_it_cannot_replay(engine, model):
+    """``repeat`` probes need a scratch forward over the cache: ``auto`` takes the segments, an explicit
+    ``one_pass`` is refused with the reason; an unknown method is named."""
+    view = plain_session(engine, config("attention_matching", "kv_budget", queries="repeat"), seed=13, turns=3)
+    assert view.events and not one_pass_supported(list(view.events))
+    with pytest.raises(InvalidArgumentError, match="repeat probes"):
+        replay_logprobs(model, view, method="one_pass")
+    assert max_sampled_diff(replay_logprobs(model, view, method="auto"), view) < TOL
+    with pytest.raises(InvalidArgumentError, match="method must be one of"):
+        replay_logprobs(model, view, method="layers")
+
+
+def test_one_pass_checks_the_records_as_the_segments_do(engine, model):
+    view = plain_session(engine, config("attention_matching", "kv_budget"), seed=41)
+    first, *rest = view.events
+
+    def with_first(**changes):
+        return dataclasses.replace(view, events=(dataclasses.replace(first, **changes), *rest))
+
+    for changes, message in (
+        ({"kv_len_before": first.kv_len_before + 1}, "the rollout held"),
+        ({"logical_span": (first.logical_span[0] + 1, first.logical_span[1])}, "stand for logical tokens"),
+        ({"probe_logical_range": (0, first.logical_len + 5)}, "suffix probes need"),
+        ({"kv_len_after": first.kv_len_after + 1}, "the rollout had"),
+    ):
+        for method in ("one_pass", "segments"):
+            with pytest.raises(InvalidArgumentError, match=message):
+                replay_logprobs(model, with_first(**changes), method=method)
+
+
+def test_auto_is_segments_on_a_cpu(engine, model):
+    view = plain_session(engine, config("attention_matching", "kv_budget"), seed=14, turns=2)
+    auto = replay_logprobs(model, view)
+    assert torch.equal(auto, replay_logprobs(model, view, method="segments"))
+
+
+def test_gradient_checkpointing(engine, tiny_model_path):
+    """With gradient checkpointing the layers (and the value maps) are recomputed in backward."""
+    from transformers import AutoModelForCausalLM
+
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=15, turns=3)]
+    grads = []
+    for checkpointing in (False, True):
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        lp = replay_logprobs_batch(m, views, grad=True, method="one_pass").logprobs[0]
+        assert max_sampled_diff(lp, views[0]) < TOL
+        lp.sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    for name, g in grads[0].items():
+        assert (g - grads[1][name]).abs().max() <= 1e-5 * g.abs().max().clamp_min(1e-12), name

@@ -1,0 +1,36 @@
+"""One-pass replay on a GPU in bf16 (the path ``method="auto"`` takes there) against the segments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from replay_helpers import MODES, TRIGGERS, max_sampled_diff, plain_session
+
+from compaction_gym.engine import CompactionConfig
+from compaction_gym.trainers.replay import replay_logprobs_batch
+
+
+def config(mode: str, trigger: str) -> CompactionConfig:
+    return CompactionConfig(**MODES[mode], **TRIGGERS[trigger], n_probe_queries=16)
+
+
+@pytest.mark.gpu
+def test_one_pass_equals_segments_on_the_gpu_in_bf16(tiny_model_path):
+    """Both methods within bf16 noise of each other, and of the rollout, with and without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from compaction_gym.engine import Engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = Engine.from_pretrained(tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=3, capacity=1024)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).cuda().eval()
+    views = [plain_session(engine, config(m, "kv_budget"), seed=s, turns=4)
+             for s, m in enumerate(("attention_matching+beta", "attention_matching", "markovian"))]  # fmt: skip
+    for grad in (False, True):
+        a = replay_logprobs_batch(model, views, method="auto", grad=grad)
+        b = replay_logprobs_batch(model, views, method="segments", grad=grad)
+        for x, y, v in zip(a.logprobs, b.logprobs, views):
+            mask = torch.tensor(v.completion_mask, dtype=torch.bool)
+            assert (x.detach().cpu() - y.detach().cpu())[mask].abs().max().item() < 0.1
+            assert max_sampled_diff(x, v) < 0.5
