@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from compaction_gym.compaction import RowMap, apply_event, event_probes
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.compaction.modes import REPEAT_SOURCES, SUFFIX_SOURCES, replay_needs_probes
-from compaction_gym.compaction.probes import key_probe_rows_of_range
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay_attention import (
@@ -68,7 +67,7 @@ from compaction_gym.trainers.replay_onepass import (
     score_hidden,
     shifted_labels,
 )
-from compaction_gym.trainers.replay_plan import build_plan, checked_events, one_pass_supported
+from compaction_gym.trainers.replay_plan import build_plan, checked_events, key_probe_rows, one_pass_supported
 
 __all__ = ["REPLAY_METHODS", "ReplayOutput", "replay_logprobs", "replay_logprobs_batch"]
 
@@ -551,19 +550,7 @@ class _Row:
         if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
             raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
         if ev.probe_source == "keys":
-            rows = ev.probe_rows
-            try:
-                if rows is None:  # a version-1 record: locate them as the engine chose them
-                    rows = key_probe_rows_of_range(
-                        self.row_map, self.length, self.n_probe, ev.probe_logical_range
-                    )
-                ok = 0 <= rows[0] < rows[1] <= self.length
-                if not ok or self.row_map.logical_span(*rows) != ev.probe_logical_range:
-                    raise InvalidArgumentError(
-                        f"probe_rows {rows} do not hold logical range {ev.probe_logical_range} in the replay"
-                    )
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{where}: {exc}") from None
+            rows = key_probe_rows(ev, self.row_map, self.length, self.n_probe, where)
         elif ev.probe_source in SUFFIX_SOURCES and ev.probe_logical_range is not None:
             a, b = ev.probe_logical_range
             parts = []

@@ -336,17 +336,7 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
     if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
         raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
     if ev.probe_source == "keys":
-        rows = ev.probe_rows
-        try:
-            if rows is None:  # a version-1 record: locate them as the engine chose them
-                rows = key_probe_rows_of_range(row_map, state.length, n_probe, ev.probe_logical_range)
-            ok = 0 <= rows[0] < rows[1] <= state.length
-            if not ok or row_map.logical_span(*rows) != ev.probe_logical_range:
-                raise InvalidArgumentError(
-                    f"probe_rows {rows} do not hold logical range {ev.probe_logical_range} in the replay"
-                )
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{where}: {exc}") from None
+        rows = key_probe_rows(ev, row_map, state.length, n_probe, where)
         blocks = state.blocks
         inside = (blocks >= rows[0]) & (blocks < rows[1])
         probe = Snapshot(state.kcol[rows[0] : rows[1]].copy(), state.vcol[rows[0] : rows[1]].copy(),
@@ -366,6 +356,23 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
             raise InvalidArgumentError(f"event {ev.index}: random probes need probe_seed")
         return ("random", ev.probe_seed, ev.index, n_probe)
     raise InvalidArgumentError(f"{where}: probe_source {ev.probe_source!r} cannot be replayed in one pass")
+
+
+def key_probe_rows(ev: CompactionEvent, row_map: RowMap, length: int, n_probe: int, where: str) -> tuple[int, int]:
+    """The cache rows ``(lo, hi)`` of a ``keys`` event's probes, checked against its logical range
+    (version-1 records without ``probe_rows``: located as the engine chose them)."""
+    rows = ev.probe_rows
+    try:
+        if rows is None:
+            rows = key_probe_rows_of_range(row_map, length, n_probe, ev.probe_logical_range)
+        ok = 0 <= rows[0] < rows[1] <= length
+        if not ok or row_map.logical_span(*rows) != ev.probe_logical_range:
+            raise InvalidArgumentError(
+                f"probe_rows {rows} do not hold logical range {ev.probe_logical_range} in the replay"
+            )
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from None
+    return rows
 
 
 def random_probe_tensor(fit: Fit, n_layers: int, n_kv_heads: int, d: int, dtype: torch.dtype,

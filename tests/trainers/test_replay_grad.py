@@ -132,9 +132,11 @@ def test_gradient_matches_finite_differences(engine, model64, param_name):
     assert abs(detached - fd) > 1e-2 * abs(fd)  # the path through C1/C2 carries real gradient
 
 
-def test_gradient_checkpointing(engine, tiny_model_path):
+@pytest.mark.parametrize("method", ["segments", "one_pass"])
+def test_gradient_checkpointing(engine, tiny_model_path, method):
     """Checkpointed layers are recomputed in backward: replay leaves the model on its attention
-    (SDPA for plain forwards), and the gradients equal the non-checkpointed ones."""
+    (SDPA for plain forwards), and the gradients equal the non-checkpointed ones (one pass: the
+    layers' value maps are recomputed too)."""
     cfg = CompactionConfig(
         mode="attention_matching", compute_beta=True, max_kv_len=64, compact_window=32, n_probe_queries=16
     )
@@ -145,7 +147,7 @@ def test_gradient_checkpointing(engine, tiny_model_path):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        replay_logprobs(model, view, grad=True).sum().backward()
+        replay_logprobs(model, view, grad=True, method=method).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
     assert model.config._attn_implementation == REPLAY_ATTENTION
