@@ -24,6 +24,7 @@ half only gathers and solves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -77,21 +78,24 @@ class Snapshot:
     def length(self) -> int:
         return self.kcol.shape[0]
 
-    @property
+    @cached_property
     def blocks(self) -> np.ndarray:
         """Rows of compacted blocks, ascending."""
         return np.flatnonzero(self.kcol < 0)
 
     def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
-        blocks = self.blocks
-        rank = np.clip(np.searchsorted(blocks, rows), 0, max(len(blocks) - 1, 0))
-        in_block = self.kcol[rows] < 0
+        kcol = self.kcol[rows]
+        in_block = kcol < 0
         if not in_block.any():
-            return self.kcol[rows], self.vcol[rows], np.zeros(rows.shape, np.float32)
-        k = np.where(in_block, np.take_along_axis(self.bk, rank, 1), self.kcol[rows])
-        v = np.where(in_block, np.take_along_axis(self.bv, rank, 1), self.vcol[rows])
-        b = np.where(in_block, np.take_along_axis(self.bb, rank, 1), np.float32(0))
+            return kcol, self.vcol[rows], np.zeros(rows.shape, np.float32)
+        blocks = self.blocks
+        # per head, the rank of each row among the blocks' rows, as an index into the flat arrays
+        flat = np.minimum(np.searchsorted(blocks, rows), len(blocks) - 1)
+        flat += np.arange(rows.shape[0])[:, None] * len(blocks)
+        k = np.where(in_block, self.bk.ravel()[flat], kcol)
+        v = np.where(in_block, self.bv.ravel()[flat], self.vcol[rows])
+        b = np.where(in_block, self.bb.ravel()[flat], np.float32(0))
         return k, v, b
 
 
