@@ -247,19 +247,7 @@ def replay_logprobs_batch(
         _Row(t, None if positions is None else positions[i], layout, param.device, i, temperature)
         for i, t in enumerate(trajectories)
     ]
-    name = register_replay_attention()
-    if base.config._attn_implementation == name:
-        switch = contextlib.nullcontext()
-    elif grad and getattr(base, "is_gradient_checkpointing", False):
-        # the layers re-run during backward, after a temporary switch would be undone
-        logger.info(
-            "gradient checkpointing is on: %s is left on the replay attention (SDPA otherwise)",
-            type(base).__name__,
-        )
-        install_replay_attention(base)
-        switch = contextlib.nullcontext()
-    else:
-        switch = use_attention(model, name)
+    switch = _replay_attention_switch(model, base, grad)
     with torch.enable_grad() if grad else torch.no_grad(), switch:
         for row in rows:  # the scratch forward of repeat probes
             row.harvest = lambda r, ids, start: _harvest(model, r, layout, ids, start)
@@ -323,14 +311,7 @@ def _replay_one_pass(
     kwargs: dict[str, Any] = {
         "input_ids": ids.to(device), "position_ids": pos.to(device), "use_cache": False, "replay_plan": replay,
     }  # fmt: skip
-    name = register_replay_attention()
-    if base.config._attn_implementation == name:
-        switch = contextlib.nullcontext()
-    elif grad and getattr(base, "is_gradient_checkpointing", False):
-        install_replay_attention(base)
-        switch = contextlib.nullcontext()
-    else:
-        switch = use_attention(model, name)
+    switch = _replay_attention_switch(model, base, grad)
     entropies = logits = None
     with torch.enable_grad() if grad else torch.no_grad(), switch:
         if fused_lm_head:
@@ -352,6 +333,24 @@ def _replay_one_pass(
     return ReplayOutput(
         logprobs=logps, entropies=entropies, logits=logits, num_events=[r.num_events for r in plan.rows]
     )
+
+
+def _replay_attention_switch(
+    model: torch.nn.Module, base: torch.nn.Module, grad: bool
+) -> contextlib.AbstractContextManager:
+    """The context that runs ``model`` on the replay attention (either method)."""
+    name = register_replay_attention()
+    if base.config._attn_implementation == name:
+        return contextlib.nullcontext()
+    if grad and getattr(base, "is_gradient_checkpointing", False):
+        # the layers re-run during backward, after a temporary switch would be undone
+        logger.info(
+            "gradient checkpointing is on: %s is left on the replay attention (SDPA otherwise)",
+            type(base).__name__,
+        )
+        install_replay_attention(base)
+        return contextlib.nullcontext()
+    return use_attention(model, name)
 
 
 def scored_positions(traj: Replayable, positions: Sequence[int] | None, i: int) -> list[int]:

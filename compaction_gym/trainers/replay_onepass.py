@@ -61,8 +61,8 @@ class _Rows:
 class _RowsBuilder:
     """Host side of :class:`_Rows`: rows appended piece by piece."""
 
-    def __init__(self, lh: int, dtype: type = np.int64) -> None:
-        self.lh, self.dtype = lh, dtype
+    def __init__(self, dtype: type = np.int64) -> None:
+        self.dtype = dtype
         self.base: list[np.ndarray] = []
         self.cols: list[np.ndarray] = []
         self.vals: list[np.ndarray] = []
@@ -136,7 +136,6 @@ class OnePassReplay:
         self.batch, self.width = len(plan.rows), plan.width
         self.rows = self.batch * self.width  # raw token rows (per head)
         self.n_layers, self.n_kv_heads = plan.n_layers, plan.n_kv_heads
-        self.lh = self.n_layers * self.n_kv_heads
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
@@ -184,36 +183,31 @@ class OnePassReplay:
             by_key.setdefault(key, []).append(f)
         self._members = [sorted(fs, key=lambda f: f.level) for fs in by_key.values()]
         self.levels = sorted({f.level for f in plan.fits})
-        # event-major C2 of a level: group by group, [E_level, H, t, d] each, flattened to rows
+        # a level's fitted rows, group by group: head-major for the attention's value rows
+        # (``_fitted_pos``), event-major [E, H, t] for the C2 chain (``_flat_at``)
         self._flat_at: dict[int, tuple[int, int, int]] = {}  # fit.first -> (level, flat offset, t)
         self._level_flat_rows: dict[int, int] = {}
-        for lv in self.levels:
-            off = 0
-            for fs in self._members:
-                for f in (f for f in fs if f.level == lv):
-                    self._flat_at[f.first] = (lv, off, f.target)
-                    off += self.n_kv_heads * f.target
-            self._level_flat_rows[lv] = off
-        self._firsts = np.array(sorted(self._flat_at), np.int64)
         self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
         self._level_start: dict[int, int] = {}
         self._level_rows: dict[int, int] = {}
         pos = 0
         for lv in self.levels:
-            self._level_start[lv] = pos
-            for fs in self._members:
-                for f in fs:
-                    if f.level == lv:
-                        self._fitted_pos[f.first : f.first + f.target] = pos + np.arange(f.target)
-                        pos += f.target
+            self._level_start[lv], flat = pos, 0
+            for f in (f for fs in self._members for f in fs if f.level == lv):
+                self._flat_at[f.first] = (lv, flat, f.target)
+                flat += self.n_kv_heads * f.target
+                self._fitted_pos[f.first : f.first + f.target] = pos + np.arange(f.target)
+                pos += f.target
+            self._level_flat_rows[lv] = flat
             self._level_rows[lv] = pos - self._level_start[lv]
+        self._firsts = np.array(sorted(self._flat_at), np.int64)
 
     def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
         dev, L, H = self.device, self.n_layers, self.n_kv_heads
         E, w, t = len(fs), fs[0].width, fs[0].target
         kind = fs[0].probe[0]
         n = max(f.n_probes for f in fs)
-        keys, bias = _RowsBuilder(self.lh), _RowsBuilder(self.lh, np.float32)
+        keys, bias = _RowsBuilder(), _RowsBuilder(np.float32)
         for f in fs:
             self._snapshot_rows(f.row, f.span, keys, None, bias)
         def per_eh(a: list[np.ndarray]) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t], permuted on the device
@@ -255,7 +249,7 @@ class OnePassReplay:
                 rows[e, : b - a] = f.row * self.width + np.arange(a, b)
             g.probe_idx = torch.as_tensor(rows, device=dev)
         elif kind == "keys":
-            probe_keys = _RowsBuilder(self.lh)
+            probe_keys = _RowsBuilder()
             for f in fs:
                 self._snapshot_rows(f.row, f.probe[1], probe_keys, None, None, pad=n - f.n_probes)
             g.probe_idx = probe_keys.build(dev, L, H)
@@ -321,8 +315,8 @@ class OnePassReplay:
         W = max(p.width(plan.snapshots[p.ctx].length) for p in ps)
         nq = max(p.q1 - p.q0 for p in ps)
         big = np.iinfo(np.int64).max
-        keys, values = _RowsBuilder(self.lh), _RowsBuilder(self.lh)
-        bias = _RowsBuilder(self.lh, np.float32) if plan.has_bias else None
+        keys, values = _RowsBuilder(), _RowsBuilder()
+        bias = _RowsBuilder(np.float32) if plan.has_bias else None
         colpos = np.full((P, W), big, np.int64)
         qrows = np.zeros((P, nq), np.int64)
         qpos = np.full((P, nq), big - 1, np.int64)  # padding queries see every real column

@@ -150,3 +150,40 @@ def test_auto_is_segments_on_a_cpu(engine, model):
     view = plain_session(engine, config("attention_matching", "kv_budget"), seed=14, turns=2)
     auto = replay_logprobs(model, view)
     assert torch.equal(auto, replay_logprobs(model, view, method="segments"))
+
+
+def test_fused_lm_head(engine, tiny_model_path):
+    """With TRL's fused LM head the one pass scores through it (shifted labels), as the segments do."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    views = [
+        plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=16, turns=3),
+        plain_session(engine, config("markovian", "turn"), seed=17, turns=2),
+    ]
+    a, b = (replay_logprobs_batch(model, views, method=m, fused_lm_head=True, compute_entropy=True)
+            for m in ("one_pass", "segments"))  # fmt: skip
+    for x, y, ex, ey, v in zip(a.logprobs, b.logprobs, a.entropies, b.entropies, views):
+        assert (x - y).abs().max().item() < SAME and (ex - ey).abs().max().item() < SAME
+        assert max_sampled_diff(x, v) < TOL
+
+
+def test_a_failed_solve_falls_back_to_the_segments(engine, model, monkeypatch, caplog):
+    """A value map whose normal equations do not factor sends the call to the segment replay (which
+    has the pseudo-inverse fallback), found once after the forward."""
+    import compaction_gym.trainers.replay_onepass as onepass
+
+    real = onepass.cholesky_solve_ex
+
+    def failing(a, rhs):
+        sol, ok = real(a, rhs)
+        return sol, ok & False
+
+    monkeypatch.setattr(onepass, "cholesky_solve_ex", failing)
+    view = plain_session(engine, config("attention_matching", "kv_budget"), seed=18, turns=3)
+    with caplog.at_level("WARNING"):
+        lp = replay_logprobs(model, view, method="one_pass")
+    assert "replaying by segments" in caplog.text
+    assert torch.equal(lp, replay_logprobs(model, view, method="segments"))
