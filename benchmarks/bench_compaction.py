@@ -90,7 +90,7 @@ def engine_event(args, compute_beta: bool) -> float:
     for _ in range(args.repeats + 1):
         cache.k.normal_()
         cache.v.normal_()
-        cache.lengths[0] = args.kv
+        cache.restore_lengths([args.kv])  # `cache.lengths` is a copy
         s = Session("bench", 0, config, SamplingParams(), None, 0, args.prompt, args.prompt)
         s.row_map.append(0, args.kv)
         s.fed = args.kv
@@ -101,7 +101,7 @@ def engine_event(args, compute_beta: bool) -> float:
         )
         span = (args.prompt, args.prompt + args.span)
         t = wall_time(lambda: compactor.compact(s, span, args.target / args.span, "manual"))  # noqa: B023
-        assert cache.lengths[0] == args.kv - args.span + args.target
+        assert cache.length(0) == args.kv - args.span + args.target
         times.append(t)
     return statistics.median(times[1:])
 

@@ -101,8 +101,10 @@ def decode_run(runner, batch: int, kv: int, steps: int) -> Callable[[], None]:
     greedy = [SamplingParams(temperature=0.0)] * batch
 
     def run() -> None:
+        lengths = list(runner.cache.lengths)  # the cache is the only writer of slot lengths
         for s in slots:
-            runner.cache.lengths[s] = kv
+            lengths[s] = kv
+        runner.cache.restore_lengths(lengths)
         runner.generate(slots, [11] * batch, [kv] * batch, greedy, steps)
 
     return run

@@ -70,7 +70,7 @@ def harvest_queries(
             part = list(token_ids[a : a + chunk])
             runner.forward([RowFeed(slot, part, start + a, recorder=ring)])
     finally:
-        lengths = cache.lengths
+        lengths = list(cache.lengths)
         lengths[slot] = n0
         cache.restore_lengths(lengths)
     picked = ring.select(start)

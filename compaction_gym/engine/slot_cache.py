@@ -55,9 +55,10 @@ class SlotKVCache:
         return self._lengths[slot]
 
     @property
-    def lengths(self) -> list[int]:
-        """A copy of every slot's length (read-only: writing into it changes nothing)."""
-        return list(self._lengths)
+    def lengths(self) -> tuple[int, ...]:
+        """Every slot's length, as a tuple: writing into it raises instead of changing nothing
+        (set lengths with :meth:`restore_lengths`)."""
+        return tuple(self._lengths)
 
     def advance(self, slot: int, n: int) -> int:
         """Record ``n`` rows appended to ``slot`` (written by a forward); returns the new length."""

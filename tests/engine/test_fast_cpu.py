@@ -113,7 +113,7 @@ def test_decode_chunk_equals_generic_runner(runners):
         assert max(abs(x - y) for x, y in zip(a[1], b[1])) < 1e-4
     assert [r.stream and r.stream.counter for r in grows] == [r.stream and r.stream.counter for r in frows]
     assert grows[1].stream.counter == 12 and grows[3].stream.counter == 43
-    assert generic.cache.lengths == fast.cache.lengths == [29, 19, 19, 7]
+    assert generic.cache.lengths == fast.cache.lengths == (29, 19, 19, 7)
     for slot, n in enumerate(generic.cache.lengths):
         assert torch.allclose(generic.cache.k[slot, :, :, :n], fast.cache.k[slot, :, :, :n], atol=1e-5)
     for b, fed in ((1, 12), (3, 3)):  # the queries of the last 6 tokens each row fed, in order
