@@ -32,15 +32,15 @@ def relative_ridge(x: torch.Tensor, ridge: float, probes: torch.Tensor | None = 
 
 
 def ridge_system(
-    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float
+    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float, probes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy + λ·prior, λ)``, batched.
 
-    ``λ = relative_ridge(x, ridge) · trace(xᵀx) / t`` (:func:`relative_ridge`), floored at
+    ``λ = relative_ridge(x, ridge, probes) · trace(xᵀx) / t`` (:func:`relative_ridge`), floored at
     ``10·eps·trace(xᵀx)`` so a singular ``xᵀx`` (``ridge=0`` with duplicate keys or fewer probes
     than keys) still factors.
     """
-    a, lam = normal_matrix(x, ridge)
+    a, lam = normal_matrix(x, ridge, probes)
     return a, x.mT @ y + lam[:, None, None] * prior, lam
 
 
@@ -68,11 +68,12 @@ def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def ridge_solve_ex(
-    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float
+    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float, probes: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ridge_solve` without a host synchronisation (the GPU fast path's C2): a problem
-    whose normal equations do not factor gets ``prior``. Returns ``(c, ok, λ)``."""
-    a, rhs, lam = ridge_system(x, y, prior, ridge)
+    whose normal equations do not factor gets ``prior``. Returns ``(c, ok, λ)`` (``probes``: as
+    :func:`relative_ridge` takes them, when the caller knows them)."""
+    a, rhs, lam = ridge_system(x, y, prior, ridge, probes)
     sol, ok = cholesky_solve_ex(a, rhs)
     return torch.where(ok[:, None, None], sol, prior), ok, lam
 

@@ -210,8 +210,8 @@ class OnePassReplay:
         keys, bias = _RowsBuilder(), _RowsBuilder(np.float32)
         for f in fs:
             self._snapshot_rows(f.row, f.span, keys, None, bias)
-        def per_eh(a: list[np.ndarray]) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t], permuted on the device
-            x = torch.as_tensor(np.stack(a), device=dev)
+        def per_eh(a: list[np.ndarray], dtype: type) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t] on the device
+            x = torch.as_tensor(np.stack(a).astype(dtype, copy=False), device=dev)
             return x.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1)
 
         vcol = np.concatenate([f.span.vcol for f in fs])
@@ -220,8 +220,8 @@ class OnePassReplay:
             width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E,
             keys=keys.build(dev, L, H),
             bias=bias.build(dev, L, H) if any(np.any(f.span.bb != 0) for f in fs) else None,
-            kept=per_eh([f.kept for f in fs]),
-            beta=per_eh([f.beta for f in fs]).float() if fs[0].beta is not None else None,
+            kept=per_eh([f.kept for f in fs], np.int32 if w < 2**31 else np.int64).long(),  # half the copy
+            beta=per_eh([f.beta for f in fs], np.float32) if fs[0].beta is not None else None,
             raw_idx=torch.as_tensor(raw_rows, device=dev),
             raw_mask=torch.as_tensor((vcol >= 0).reshape(E, 1, 1, w), device=dev),
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
@@ -337,7 +337,7 @@ class OnePassReplay:
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys.build(dev, L, H), values=values.build(dev, L, H),
             bias=None if bias is None else bias.build(dev, L, H),
-            allowed=torch.as_tensor(colpos[:, None, :] <= qpos[:, :, None], device=dev),
+            allowed=torch.as_tensor(colpos, device=dev)[:, None, :] <= torch.as_tensor(qpos, device=dev)[:, :, None],
             qrows=torch.as_tensor(qrows, device=dev),
         )  # fmt: skip
 

@@ -83,16 +83,19 @@ class Snapshot:
         """Rows of compacted blocks, ascending."""
         return np.flatnonzero(self.kcol < 0)
 
+    @cached_property
+    def block_rank(self) -> np.ndarray:
+        """``[T]`` each row's rank among the blocks' rows (a raw row: the next block row's, clipped)."""
+        return np.minimum(np.cumsum(self.kcol < 0) - (self.kcol < 0), max(len(self.blocks) - 1, 0))
+
     def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
         kcol = self.kcol[rows]
         in_block = kcol < 0
         if not in_block.any():
             return kcol, self.vcol[rows], np.zeros(rows.shape, np.float32)
-        blocks = self.blocks
         # per head, the rank of each row among the blocks' rows, as an index into the flat arrays
-        flat = np.minimum(np.searchsorted(blocks, rows), len(blocks) - 1)
-        flat += np.arange(rows.shape[0])[:, None] * len(blocks)
+        flat = self.block_rank[rows] + np.arange(rows.shape[0])[:, None] * len(self.blocks)
         k = np.where(in_block, self.bk.ravel()[flat], kcol)
         v = np.where(in_block, self.bv.ravel()[flat], self.vcol[rows])
         b = np.where(in_block, self.bb.ravel()[flat], np.float32(0))
@@ -287,7 +290,7 @@ def _apply(
         raise InvalidArgumentError(
             f"{where}: indices hold {indices.shape[0]} (layer, KV head) rows, the model has {lh}"
         )
-    if t and (indices.min() < start or indices.max() >= end or (np.diff(indices, axis=1) <= 0).any()):
+    if t and (indices[:, 0].min() < start or indices[:, -1].max() >= end or (indices[:, 1:] <= indices[:, :-1]).any()):
         raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
     local = indices - start
     kept_k, kept_v, old_b = state.rows_at(indices)

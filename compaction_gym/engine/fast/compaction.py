@@ -301,7 +301,10 @@ def compact_fast(
     else:
         x = torch.softmax(biased, dim=-1)
     gather = indices[:, :, None].expand(-1, -1, d)
-    # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values
-    fitted = ridge_solve_ex(x, y, torch.gather(values, 1, gather).to(x.dtype), ridge)[0].to(values.dtype)
+    # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values.
+    # Every probe is real (a softmax row is never all zero), so no pass over x counts them.
+    probes = torch.full((x.shape[0],), x.shape[1], dtype=x.dtype, device=x.device)
+    prior = torch.gather(values, 1, gather).to(x.dtype)
+    fitted = ridge_solve_ex(x, y, prior, ridge, probes)[0].to(values.dtype)
     kept_keys = torch.gather(keys, 1, gather)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)
