@@ -526,9 +526,15 @@ def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[h, idx[h, j]]`` ``[H, n, d]`` for ``x`` ``[H, R, d]`` and ``idx`` ``[H|1, n]``."""
-    idx = idx.expand(x.shape[0], -1)
-    return torch.gather(x, 1, idx[:, :, None].expand(-1, -1, x.shape[-1]))
+    """``x[h, idx[h, j]]`` ``[H, n, d]`` for ``x`` ``[H, R, d]`` and ``idx`` ``[H|1, n]``.
+
+    Row gathers (``index_select``), not ``gather``: one index per row instead of one per element,
+    and a backward of row additions (``index_add``) instead of an element scatter."""
+    if idx.shape[0] == 1:
+        return x.index_select(1, idx[0])
+    H, R = x.shape[0], x.shape[1]
+    flat = (idx + torch.arange(0, H * R, R, device=idx.device)[:, None]).reshape(-1)
+    return x.reshape(H * R, -1).index_select(0, flat).reshape(H, idx.shape[1], -1)
 
 
 def _per_event(x: torch.Tensor, events: int, width: int) -> torch.Tensor:
