@@ -34,3 +34,23 @@ def test_one_pass_equals_segments_on_the_gpu_in_bf16(tiny_model_path):
             mask = torch.tensor(v.completion_mask, dtype=torch.bool)
             assert (x.detach().cpu() - y.detach().cpu())[mask].abs().max().item() < 0.1
             assert max_sampled_diff(x, v) < 0.5
+
+
+@pytest.mark.gpu
+def test_one_pass_equals_segments_on_the_gpu_in_float32(tiny_model_path):
+    """In float32 on the GPU (cuBLAS/cuDNN kernels, TF32 only where products are exact) one pass
+    stays near the CPU tolerance of the segments."""
+    from transformers import AutoModelForCausalLM
+
+    from compaction_gym.engine import Engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cuda", max_slots=2, capacity=1024)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda().eval()
+    views = [plain_session(engine, config(m, "kv_budget"), seed=s, turns=4)
+             for s, m in enumerate(("attention_matching+beta", "attention_matching"))]  # fmt: skip
+    a = replay_logprobs_batch(model, views, method="one_pass")
+    b = replay_logprobs_batch(model, views, method="segments")
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert (x - y).abs().max().item() < 1e-4
