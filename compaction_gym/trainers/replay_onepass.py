@@ -472,8 +472,7 @@ class OnePassReplay:
         if g.bias is not None:
             bias = g.bias.at(layer, H).expand(H, -1).reshape(H, g.count, g.width).transpose(0, 1)
             bias = bias.reshape(g.count * H, g.width)
-        with _exact_tf32(span_keys.dtype):
-            raw, logits = attention_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
+        raw, logits = _probe_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
         kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
         if g.beta is None:
             kept_logits = torch.gather(logits, 2, kept)
@@ -536,8 +535,22 @@ def _wide_solve(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch
     chol, info = torch.linalg.cholesky_ex(a)
     eye = torch.eye(t, dtype=a.dtype, device=a.device).expand_as(a)
     inv = torch.linalg.solve_triangular(chol, eye, upper=False)
-    sol = inv.mT @ (inv @ rhs)
-    return sol, (info == 0) & sol.isfinite().all(-1).all(-1)
+    # a finite inverse maps a finite right-hand side (probabilities) to a finite solution
+    return inv.mT @ (inv @ rhs), (info == 0) & inv.isfinite().all(-1).all(-1)
+
+
+def _probe_logits(keys: torch.Tensor, probes: torch.Tensor, scale: float,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`~compaction_gym.compaction.scoring.attention_logits` without float32 copies of
+    half-precision inputs on CUDA: a half-precision product with a float32 output (exact products,
+    float32 accumulation, as the TF32 product of the copies), scaled in place. (That product has no
+    autograd formula: with gradients the copies stay.)"""
+    grad = torch.is_grad_enabled() and (keys.requires_grad or probes.requires_grad)
+    if keys.is_cuda and keys.dtype in (torch.bfloat16, torch.float16) and not grad:
+        raw = torch.bmm(probes, keys.mT, out_dtype=torch.float32).mul_(scale)
+        return raw, (raw if bias is None else raw + bias.float()[:, None, :])
+    with _exact_tf32(keys.dtype):
+        return attention_logits(keys, probes, scale, bias)
 
 
 @contextmanager
