@@ -27,10 +27,13 @@ import torch
 from compaction_gym.compaction import CompactionResult
 from compaction_gym.engine.session import Session
 
-#: Rows (sessions × layers × KV heads) of one stacked call. The fused kernels launch one program
-#: per row on CUDA's second grid axis (at most 65,535), and the ``[rows, n, t]`` float32 logits of
-#: a call take ``rows · n · t · 4`` bytes (1 GiB at 16,384 rows, 256 probes, 64 kept rows).
-MAX_STACKED_ROWS = 16_384
+#: Most rows (sessions × layers × KV heads) of one stacked call: the fused kernels launch one
+#: program per row on CUDA's second grid axis, which holds at most 65,535.
+MAX_STACKED_ROWS = 65_535
+#: Most ``rows · n · (d + t)`` of one stacked call (``n`` probes, head dim ``d``, ``t`` kept rows):
+#: the size of its float32 intermediates, ``Y [rows, n, d]`` and the ``[rows, n, t]`` logits, so
+#: that a call's working memory stays near 4 GiB each (Qwen3-4B, 1,024 probes, t = 64: 18 sessions).
+MAX_STACKED_ELEMENTS = 1 << 30
 
 
 @dataclass(eq=False)
@@ -68,14 +71,23 @@ def batch_key(p: PendingEvent) -> tuple | None:
 
 
 def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[list[int]]:
-    """Indices of ``pending`` by batch key, in first-seen order, split at :data:`MAX_STACKED_ROWS`
-    rows per group; an event without a key is a group of its own."""
+    """Indices of ``pending`` by batch key, in first-seen order, each group split into calls of at
+    most :data:`MAX_STACKED_ROWS` rows and :data:`MAX_STACKED_ELEMENTS`; an event without a key
+    is a group of its own."""
     groups: dict[object, list[int]] = {}
     for i, p in enumerate(pending):
         key = batch_key(p)
         groups.setdefault(("alone", i) if key is None else key, []).append(i)
-    per_call = max(1, MAX_STACKED_ROWS // rows_per_event)
-    return [g[a : a + per_call] for g in groups.values() for a in range(0, len(g), per_call)]
+    calls = []
+    for g in groups.values():
+        first = pending[g[0]]
+        size = (
+            0 if first.queries is None else first.queries.shape[1] * (first.queries.shape[2] + first.target)
+        )
+        rows = min(MAX_STACKED_ROWS, MAX_STACKED_ELEMENTS // max(1, size))
+        per_call = max(1, rows // rows_per_event)
+        calls += [g[a : a + per_call] for a in range(0, len(g), per_call)]
+    return calls
 
 
 @dataclass

@@ -10,7 +10,6 @@ import torch
 from engine_helpers import make_prompt
 from hypothesis import example, given, settings
 
-from compaction_gym.compaction import compact
 from compaction_gym.engine import CompactionConfig, CreateRequest, Engine, SamplingParams, StepRequest
 
 BUDGET = {"max_kv_len": 64, "compact_window": 32, "compact_target_ratio": 0.25, "n_probe_queries": 16}
@@ -29,14 +28,15 @@ def engines(tiny_model_path):
 def rollout(engine, configs, prompts, inputs, sampling, *, stacked: bool):
     """Create the sessions in one ``step_batch``, then step them together once per input turn.
 
-    Returns ``(per-session token ids, log-probs, events, final cache rows)`` and the batch sizes
-    (rows) of every scoring call.
+    Returns the sessions' views, their final cache rows (K, V, β) and the batch size (rows) of
+    every scoring call.
     """
     calls: list[int] = []
+    scorer = engine.compactor.compact_fn
 
     def recording(keys, *args, **kwargs):
         calls.append(keys.shape[0])
-        return compact(keys, *args, **kwargs)
+        return scorer(keys, *args, **kwargs)
 
     engine.compactor.compact_fn, engine.compactor.batch_events = recording, stacked
     try:
@@ -49,7 +49,7 @@ def rollout(engine, configs, prompts, inputs, sampling, *, stacked: bool):
         views = [engine.session(sid) for sid in sids]
         caches = [engine.read_cache(sid) for sid in sids]
     finally:
-        engine.compactor.compact_fn, engine.compactor.batch_events = compact, True
+        engine.compactor.compact_fn, engine.compactor.batch_events = scorer, True
         for sid in engine.session_ids:
             engine.close(sid)
     return views, caches, calls

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from compaction_gym.compaction import apply_event, compact
 from compaction_gym.engine.event_batch import (
+    MAX_STACKED_ELEMENTS,
     MAX_STACKED_ROWS,
     PendingEvent,
     batch_key,
@@ -106,12 +107,13 @@ def test_batch_key_separates_shapes_and_modes():
     assert batch_key(c) is None
 
 
-def test_groups_split_at_the_row_limit():
-    events = [pending(i, 0, 16, 8, 4, False) for i in range(5)]
-    per_call = 2
-    groups = group_events(events, MAX_STACKED_ROWS // per_call)
-    assert groups == [[0, 1], [2, 3], [4]]
+def test_groups_split_at_the_row_and_size_limits():
+    events = [pending(i, 0, 16, 8, 4, False) for i in range(5)]  # n = 4 probes, d = 16, t = 2
     assert group_events(events, 1) == [[0, 1, 2, 3, 4]]
+    assert group_events(events, MAX_STACKED_ROWS // 2) == [[0, 1], [2, 3], [4]]
+    many_probes = [pending(i, 0, 16, 8, 1000, False) for i in range(5)]  # n · (d + t) = 18,000 per row
+    assert group_events(many_probes, MAX_STACKED_ELEMENTS // 18_000 // 3) == [[0, 1, 2], [3, 4]]
+    assert group_events(events, MAX_STACKED_ROWS + 1) == [[0], [1], [2], [3], [4]]
 
 
 def test_to_host_is_bit_exact():
