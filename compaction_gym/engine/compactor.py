@@ -328,6 +328,7 @@ class Compactor:
             query_positions=p.query_positions if one else None,
             n_kv_heads=lay.n_kv_heads,
             refit_values=cfg.refit_values,
+            query_mask=None if one else stacked.query_mask,
         )
 
     def _finish(self, p: PendingEvent, result: CompactionResult) -> CompactionEvent:

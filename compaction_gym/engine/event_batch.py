@@ -12,9 +12,12 @@ over the *whole* cache, so the keys outside the span enter through one log-sum-e
 every value). So whole rows are stacked: each session's rows are placed so that its span starts
 at the same stacked row ``P`` (the largest span start), and the shorter ones are padded. Padding
 rows carry key bias ``-inf``: weight exactly 0 in every softmax and log-sum-exp, so each session's
-problem is its own, up to the float rounding of sums over a longer row. Only
-``attention_matching`` is stacked: the baselines' causal masks (``query_positions``), per-event
-seeds and per-layer head averages address rows or events individually.
+problem is its own, up to the float rounding of sums over a longer row. Events of different
+probe counts are stacked too: the probes are padded with zeros to the largest count and a
+``query_mask`` tells the math which probes are real (selection, β and C2 then read each row's real
+probes alone). Only ``attention_matching`` is stacked: the baselines' causal masks
+(``query_positions``), per-event seeds and per-layer head averages address rows or events
+individually; with ``refit_values=False`` (whose β check reads no mask) only equal probe counts.
 """
 
 from __future__ import annotations
@@ -67,7 +70,18 @@ def batch_key(p: PendingEvent) -> tuple | None:
         return None
     n, d = p.queries.shape[1:]
     span_len = p.span[1] - p.span[0]
-    return (cfg.mode, span_len, p.target, n, d, p.keys.dtype, cfg.compute_beta, cfg.ridge, cfg.refit_values)
+    probes = None if cfg.refit_values else n  # stacked with padding probes only when C2 is refitted
+    return (
+        cfg.mode,
+        span_len,
+        p.target,
+        probes,
+        d,
+        p.keys.dtype,
+        cfg.compute_beta,
+        cfg.ridge,
+        cfg.refit_values,
+    )
 
 
 def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[list[int]]:
@@ -81,9 +95,8 @@ def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[l
     calls = []
     for g in groups.values():
         first = pending[g[0]]
-        size = (
-            0 if first.queries is None else first.queries.shape[1] * (first.queries.shape[2] + first.target)
-        )
+        n = max(0 if pending[i].queries is None else pending[i].queries.shape[1] for i in g)
+        size = 0 if first.queries is None else n * (first.queries.shape[2] + first.target)
         rows = min(MAX_STACKED_ROWS, MAX_STACKED_ELEMENTS // max(1, size))
         per_call = max(1, rows // rows_per_event)
         calls += [g[a : a + per_call] for a in range(0, len(g), per_call)]
@@ -97,19 +110,22 @@ class StackedRows:
     keys: torch.Tensor  # [S * B, T, d]
     values: torch.Tensor  # [S * B, T, d_v]
     key_bias: torch.Tensor  # [S * B, T] float32, -inf on padding rows
-    queries: torch.Tensor  # [S * B, n, d]
+    queries: torch.Tensor  # [S * B, n, d], zero-padded to the largest probe count
+    query_mask: torch.Tensor | None  # [S * B, n] bool, False on padding probes (None: no padding)
     span: tuple[int, int]
     shifts: torch.Tensor  # [S] int64: stacked row = session row + shift
 
 
 def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
-    """Each event's rows shifted so its span starts at the same row; padding rows get bias ``-inf``."""
+    """Each event's rows shifted so its span starts at the same row; padding rows get bias ``-inf``,
+    padding probes (zeros) ``False`` in the query mask."""
     first = events[0]
     rows, _, d = first.keys.shape
     span_len = first.span[1] - first.span[0]
     start = max(p.span[0] for p in events)
     shifts = [start - p.span[0] for p in events]
-    length = max(s + p.keys.shape[1] for s, p in zip(shifts, events))
+    # rounded up to 16 rows: the kernels' row strides keep one divisibility (one compiled variant)
+    length = -(-max(s + p.keys.shape[1] for s, p in zip(shifts, events)) // 16) * 16
     n_ev = len(events)
     keys = first.keys.new_zeros(n_ev, rows, length, d)
     values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
@@ -119,12 +135,24 @@ def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
         keys[i, :, s : s + t] = p.keys
         values[i, :, s : s + t] = p.values
         bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
-    queries = torch.cat([p.queries for p in events])
+    counts = [p.queries.shape[1] for p in events]
+    n = max(counts)
+    mask = None
+    if min(counts) == n:
+        queries = torch.cat([p.queries for p in events])
+    else:
+        queries = first.queries.new_zeros(n_ev, rows, n, d)
+        mask = torch.zeros(n_ev, rows, n, dtype=torch.bool, device=keys.device)
+        for i, p in enumerate(events):
+            queries[i, :, : counts[i]] = p.queries
+            mask[i, :, : counts[i]] = True
+        queries, mask = queries.view(n_ev * rows, n, d), mask.view(n_ev * rows, n)
     return StackedRows(
         keys.view(n_ev * rows, length, d),
         values.view(n_ev * rows, length, -1),
         bias.view(n_ev * rows, length),
         queries,
+        mask,
         (start, start + span_len),
         torch.tensor(shifts, dtype=torch.long, device=keys.device),
     )

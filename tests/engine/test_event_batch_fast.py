@@ -51,7 +51,7 @@ def run_stacked(events):
     rows = stack_rows(events)
     block = apply_event(
         rows.keys, rows.values, rows.queries, mode="attention_matching", span=rows.span, target=events[0].target,
-        compute_beta=True, key_bias=rows.key_bias, compact_fn=compact_fast,
+        compute_beta=True, key_bias=rows.key_bias, compact_fn=compact_fast, query_mask=rows.query_mask,
     )  # fmt: skip
     return split_result(block, rows)
 
