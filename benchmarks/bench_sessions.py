@@ -77,7 +77,7 @@ def compaction_run(engine, n, args, config, sampling, *, stacked: bool, offset: 
     event) are counted.
     """
     compactor, calls = engine.compactor, []
-    scorer = compactor.compact_fn
+    scorer, batch_events = compactor.compact_fn, compactor.batch_events
 
     def counted(*a, **kw):
         calls.append(1)
@@ -91,7 +91,7 @@ def compaction_run(engine, n, args, config, sampling, *, stacked: bool, offset: 
         for s in sids:
             engine.close(s)
     finally:
-        compactor.compact_fn, compactor.batch_events = scorer, True
+        compactor.compact_fn, compactor.batch_events = scorer, batch_events
     return tok, sec, events, len(calls), kv_lens
 
 

@@ -128,9 +128,11 @@ class Compactor:
         self.record_mass = record_mass
         self.harvest = harvest  # the engine's scratch forward (``repeat`` probes)
         self.repeat_prompt = list(repeat_prompt)
-        #: score the events due at one step in stacked calls (False: one call per event, the
-        #: comparison ``benchmarks/bench_sessions.py --compare-unbatched-events`` runs)
-        self.batch_events = True
+        #: score the events due at one step in stacked calls (docs/engine.md, "Batched events"): on
+        #: by default on CUDA, where an event's cost is kernel launches and host syncs; off on CPU,
+        #: where it is arithmetic and padding would add some. ``benchmarks/bench_sessions.py
+        #: --compare-unbatched-events`` times both.
+        self.batch_events = cache.k.is_cuda
 
     # -------------------------------------------------------------- triggers
     def kv_budget_span(

@@ -32,7 +32,7 @@ def rollout(engine, configs, prompts, inputs, sampling, *, stacked: bool):
     every scoring call.
     """
     calls: list[int] = []
-    scorer = engine.compactor.compact_fn
+    scorer, batch_events = engine.compactor.compact_fn, engine.compactor.batch_events
 
     def recording(keys, *args, **kwargs):
         calls.append(keys.shape[0])
@@ -49,7 +49,7 @@ def rollout(engine, configs, prompts, inputs, sampling, *, stacked: bool):
         views = [engine.session(sid) for sid in sids]
         caches = [engine.read_cache(sid) for sid in sids]
     finally:
-        engine.compactor.compact_fn, engine.compactor.batch_events = scorer, True
+        engine.compactor.compact_fn, engine.compactor.batch_events = scorer, batch_events
         for sid in engine.session_ids:
             engine.close(sid)
     return views, caches, calls
@@ -100,6 +100,11 @@ def test_stacked_events_equal_events_alone(engines, dtype, compute_beta):
     assert set(alone[2]) == {rows} and len(alone[2]) == n_events  # alone: one call per event
     assert max(stacked[2]) > rows and len(stacked[2]) < n_events  # stacked: fewer, larger calls
     assert sum(stacked[2]) == n_events * rows
+
+
+def test_stacking_is_on_by_default_on_cuda_only(engines):
+    """On CPU an event's cost is arithmetic, which padding adds to: events go alone unless asked."""
+    assert not engines[torch.float32].compactor.batch_events
 
 
 def test_mixed_configs_stack_only_same_shapes(engines):

@@ -121,7 +121,7 @@ def test_fast_engine_stacked_sessions_equal_lone_ones(tiny_model_path, compute_b
     engine = Engine.from_pretrained(
         tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=4, capacity=512, fast=True
     )
-    assert engine.fast
+    assert engine.fast and engine.compactor.batch_events  # on by default on CUDA
     cfg = CompactionConfig(mode="attention_matching", compute_beta=compute_beta, **BUDGET)
     prompts, inputs = workload(4, [16] * 4, seed=11)
     stacked = rollout(engine, [cfg] * 4, prompts, inputs, GREEDY, stacked=True)

@@ -31,7 +31,7 @@ def stacked_rollout(engine, config, prompt_lens, temperature, seed, turns=3):
         calls.append(keys.shape[0])
         return compact(keys, *args, **kwargs)
 
-    engine.compactor.compact_fn = recording
+    engine.compactor.compact_fn, engine.compactor.batch_events = recording, True  # CPU default: alone
     sampling = SAMPLING.replace(temperature=temperature)
     try:
         created = engine.step_batch(
@@ -47,7 +47,7 @@ def stacked_rollout(engine, config, prompt_lens, temperature, seed, turns=3):
             )
         views = [engine.session(s) for s in sids]
     finally:
-        engine.compactor.compact_fn = compact
+        engine.compactor.compact_fn, engine.compactor.batch_events = compact, False
         for s in engine.session_ids:
             engine.close(s)
     return views, calls
