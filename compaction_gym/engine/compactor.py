@@ -266,22 +266,27 @@ class Compactor:
         """
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
         pending = [self._prepare(*r) for r in requests]
-        results: list[CompactionResult | None] = [None] * len(pending)
+        done: dict[int, tuple[CompactionResult, torch.Tensor, torch.Tensor | None]] = {}
         rows = self.layout.n_layers * self.layout.n_kv_heads
         groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
         for group in groups:
             t0 = time.perf_counter()
             if len(group) == 1:
-                results[group[0]] = self._score(pending[group[0]])
+                blocks = [self._score(pending[group[0]])]
             else:
                 stacked = stack_rows([pending[i] for i in group])
-                block = self._score(pending[group[0]], stacked)
-                for i, r in zip(group, split_result(block, stacked)):
-                    results[i] = r
+                blocks = split_result(self._score(pending[group[0]], stacked), stacked)
+            # the recorded indices and β of the whole group: one device→host copy
+            recorded = pending[group[0]].session.config.compute_beta and blocks[0].beta is not None
+            indices, beta = to_host(
+                torch.stack([b.indices for b in blocks]),
+                torch.stack([b.beta for b in blocks]) if recorded else None,
+            )
             share = (time.perf_counter() - t0) / len(group)  # a stacked call's time, split evenly
-            for i in group:
+            for k, i in enumerate(group):
                 pending[i].timings["compact"] = share
-        return [self._finish(p, r) for p, r in zip(pending, results)]
+                done[i] = (blocks[k], indices[k], None if beta is None else beta[k])
+        return [self._finish(p, *done[i]) for i, p in enumerate(pending)]
 
     def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
         """An event's span, target and probes, read from the slot as it stands."""
@@ -333,8 +338,15 @@ class Compactor:
             query_mask=None if one else stacked.query_mask,
         )
 
-    def _finish(self, p: PendingEvent, result: CompactionResult) -> CompactionEvent:
-        """Write ``p``'s block into its slot and record its event."""
+    def _finish(
+        self,
+        p: PendingEvent,
+        result: CompactionResult,
+        host_indices: torch.Tensor,
+        host_beta: torch.Tensor | None,
+    ) -> CompactionEvent:
+        """Write ``p``'s block into its slot and record its event (``host_*``: its indices and fitted
+        β, copied to the host)."""
         s, cfg, cache, lay = p.session, p.session.config, self.cache, self.layout
         start, end = p.span
         timings, target = p.timings, p.target
@@ -349,11 +361,9 @@ class Compactor:
         if self.record_mass:
             timings["mass"] = time.perf_counter() - t_mass
         t_write = time.perf_counter()
-        recorded = cfg.compute_beta and result.beta is not None
-        indices, host_beta = to_host(result.indices, result.beta if recorded else None)
-        indices = indices.reshape(lay.n_layers, lay.n_kv_heads, target)
+        indices = host_indices.reshape(lay.n_layers, lay.n_kv_heads, target)
         # what the cache stores (float32): replay's constant β
-        recorded_beta = host_beta.reshape(lay.n_layers, lay.n_kv_heads, target) if recorded else None
+        recorded_beta = None if host_beta is None else host_beta.reshape(lay.n_layers, lay.n_kv_heads, target)
         # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
         beta = result.beta if cfg.compute_beta or cache.has_beta[s.slot] else None
         nonzero = cache.has_beta[s.slot] or (recorded_beta is not None and bool((recorded_beta != 0).any()))
