@@ -239,7 +239,7 @@ def fast_beta_weights(
         return ones
     design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
     if query_mask is not None:
-        design = design * query_mask[:, :, None]
+        design.mul_(query_mask[:, :, None])
     gram, rhs = regularised_system(*_gram(design.to(torch.bfloat16) if half else design), BETA_RIDGE)
     w = nnls_fista(
         gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
@@ -326,7 +326,8 @@ def compact_fast(
         x = torch.softmax(biased, dim=-1)
     if query_mask is not None:  # padding probes leave the C2 solve (and its relative ridge's probe count)
         keep = query_mask[:, :, None]
-        x, y = x * keep, y * keep
+        x.mul_(keep)  # in place: both are this call's own [B, n, ·] buffers
+        y.mul_(keep)
     gather = indices[:, :, None].expand(-1, -1, d)
     # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values
     fitted = ridge_solve_ex(x, y, torch.gather(values, 1, gather).to(x.dtype), ridge)[0].to(values.dtype)
