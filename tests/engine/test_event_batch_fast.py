@@ -116,15 +116,16 @@ def test_bench_shaped_group_runs_and_matches():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compute_beta", [True, False])
 def test_fast_engine_stacked_sessions_equal_lone_ones(tiny_model_path, compute_beta):
-    """The fast engine (bf16, fused kernels, decode chunks on the device): four sessions of one
-    prompt length (equal span starts, as in the bench) give the same tokens and events stacked
-    and alone, and events were stacked."""
+    """The fast engine (fused kernels, decode chunks on the device; float32, so that a cuBLAS
+    product's rounding cannot flip a greedy token): four sessions of one prompt length (equal span
+    starts, as in the bench) give the same tokens and events stacked and alone, and events were
+    stacked."""
     from test_batched_events import BUDGET, GREEDY, assert_same_sessions, rollout, workload
 
     from compaction_gym.engine import CompactionConfig, Engine
 
     engine = Engine.from_pretrained(
-        tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=4, capacity=512, fast=True
+        tiny_model_path, dtype=torch.float32, device="cuda", max_slots=4, capacity=512, fast=True
     )
     assert engine.fast and engine.compactor.batch_events  # on by default on CUDA
     cfg = CompactionConfig(mode="attention_matching", compute_beta=compute_beta, **BUDGET)
@@ -133,4 +134,4 @@ def test_fast_engine_stacked_sessions_equal_lone_ones(tiny_model_path, compute_b
     alone = rollout(engine, [cfg] * 4, prompts, inputs, GREEDY, stacked=False)
     rows = engine.layout.n_layers * engine.layout.n_kv_heads
     assert max(stacked[2]) > rows
-    assert_same_sessions(stacked, alone, 2e-2)
+    assert_same_sessions(stacked, alone, 1e-4)
