@@ -18,7 +18,7 @@ from compaction_gym.compaction.baselines import (
 from compaction_gym.compaction.beta import beta_from_logits, beta_where_it_helps
 from compaction_gym.compaction.modes import COMPACTION_MODES, QUERY_MODES
 from compaction_gym.compaction.scoring import attention_logits, importance, top_indices
-from compaction_gym.compaction.values import check_ridge, values_from_logits
+from compaction_gym.compaction.values import check_query_mask, check_ridge, values_from_logits
 from compaction_gym.errors import InvalidArgumentError
 
 __all__ = ["COMPACTION_MODES", "CompactionResult", "compact"]
@@ -57,11 +57,12 @@ def _select(
     seed: int | None,
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kept indices ``[B, target]`` for a scoring mode (``logits`` are ``None`` without queries)."""
     batch = keys.shape[0]
     if mode == "attention_matching":
-        return top_indices(importance(logits, span), target, span[0])
+        return top_indices(importance(logits, span, query_mask), target, span[0])
     if mode == "h2o":
         return h2o_indices(logits, span, target, query_positions=query_positions)
     if mode == "snapkv":
@@ -115,6 +116,23 @@ def _check_n_kv_heads(n_kv_heads: object, batch: int) -> int | None:
     return n_kv_heads
 
 
+def _check_scoring_mask(
+    query_mask: object, queries: torch.Tensor | None, mode: str, refit_values: bool
+) -> torch.Tensor | None:
+    """``query_mask`` for :func:`compact`: only ``attention_matching`` with refitted values reads it."""
+    if query_mask is None:
+        return None
+    if mode != "attention_matching" or not refit_values:
+        raise InvalidArgumentError(
+            f"query_mask needs mode='attention_matching' with refit_values=True, got mode={mode!r}, "
+            f"refit_values={refit_values}"
+        )
+    query_mask = check_query_mask(query_mask, queries)
+    if not bool(query_mask.any(dim=1).all()):
+        raise InvalidArgumentError("query_mask must keep at least one probe in every row")
+    return query_mask
+
+
 def check_refit_values(refit_values: object) -> bool:
     """``refit_values`` as a bool; anything else is refused naming the argument."""
     if not isinstance(refit_values, bool):
@@ -163,6 +181,7 @@ def compact(
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
     refit_values: bool = True,
+    query_mask: torch.Tensor | None = None,
 ) -> CompactionResult:
     """Compact cache rows ``span`` of every (layer, KV head) down to ``target`` rows.
 
@@ -201,13 +220,17 @@ def compact(
             ``None``: per KV head (its query group) only.
         refit_values: ``attention_matching`` refits C2 by the ridge solve; ``False`` keeps the
             selected rows' original values (selection by RMS attention, β still fitted if asked).
+        query_mask: bool ``[B, n]``, ``False`` on padding probes (``attention_matching`` with
+            ``refit_values``): each row is scored and fitted from its real probes alone, as when
+            called with those probes only (events of different probe counts stacked in one call,
+            docs/engine.md "Batched events").
 
     Returns:
         :class:`CompactionResult` with ``keys``/``values`` in the input dtype.
 
     Raises:
         InvalidArgumentError: a bad mode, shape, dtype, device, span, target, forced_indices,
-            ridge or seed, or ``compute_beta`` with a mode other than attention_matching.
+            ridge, seed or query_mask, or ``compute_beta`` with a mode other than attention_matching.
 
     Example:
         >>> k, v, q = torch.randn(8, 64, 16), torch.randn(8, 64, 16), torch.randn(8, 32, 16)
@@ -233,6 +256,7 @@ def compact(
     refit_values = check_refit_values(refit_values)
     query_positions = _check_query_positions(query_positions, queries, keys)
     n_kv_heads = _check_n_kv_heads(n_kv_heads, keys.shape[0])
+    query_mask = _check_scoring_mask(query_mask, queries, mode, refit_values)
     if forced_indices is not None:
         forced_indices = C.check_indices(forced_indices, "forced_indices", keys, span)
         expected = 0 if mode == "markovian" else target
@@ -254,17 +278,17 @@ def compact(
     indices = (
         forced_indices
         if forced_indices is not None
-        else _select(mode, logits, keys, span, target, seed, query_positions, n_kv_heads)
+        else _select(mode, logits, keys, span, target, seed, query_positions, n_kv_heads, query_mask)
     )
     kept_keys, old_beta, selected = kept_rows(mode, keys, values, key_bias, indices)
     if selected is not None:
         return selected
-    beta = beta_from_logits(logits, span, indices, key_bias) if compute_beta else None
+    beta = beta_from_logits(logits, span, indices, key_bias, query_mask=query_mask) if compute_beta else None
     if not refit_values:
         if compute_beta:  # kept values: β only where it lowers the probes' output error
             beta = beta_where_it_helps(raw, logits, values, span, indices, beta, old_beta, key_bias)
         return CompactionResult(
             kept_keys, gather_values(values, indices), beta if compute_beta else old_beta, indices
         )
-    fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge).to(values.dtype)
+    fitted = values_from_logits(raw, logits, values, span, indices, beta, ridge, query_mask).to(values.dtype)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)

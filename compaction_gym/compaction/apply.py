@@ -78,8 +78,9 @@ def apply_event(
             masks of h2o/snapkv; the layout for tova's head average); used only when scoring.
         refit_values: as :func:`compact` (``attention_matching``: refit C2, or keep the values).
         query_mask: bool ``[B, n]``, ``False`` on padding probes (events of different probe counts
-            stacked in one call, as batched replay does); only with recorded ``indices`` and a
-            recorded (or no) β: C2 is fitted from each row's real probes alone (:func:`fit_values`).
+            stacked in one call, as batched replay and the engine's batched events do): each row
+            is scored (passed to ``compact_fn``) or, with recorded ``indices`` and a recorded (or
+            no) β, has C2 fitted (:func:`fit_values`) from its real probes alone.
 
     Returns:
         :class:`~compaction_gym.compaction.CompactionResult` (``beta`` float32 for recorded β).
@@ -95,9 +96,9 @@ def apply_event(
     refit_values = check_refit_values(refit_values)
     if differentiable and indices is None:
         raise InvalidArgumentError("indices are required with differentiable=True (replay a recorded event)")
-    if query_mask is not None and (indices is None or (compute_beta and beta is None)):
+    if query_mask is not None and indices is not None and compute_beta and beta is None:
         raise InvalidArgumentError(
-            "query_mask needs recorded indices and, with compute_beta, a recorded beta"
+            "query_mask with recorded indices needs, with compute_beta, a recorded beta"
         )
     if _mixed_dtypes(keys, values, queries):
         # under autocast, post-RoPE keys/queries and the value projection can differ in dtype (the
@@ -117,7 +118,9 @@ def apply_event(
         and beta is None
         and query_mask is None
     ):
-        extra = {} if refit_values else {"refit_values": False}  # compact_fn drop-ins take it when used
+        extra: dict = {} if refit_values else {"refit_values": False}  # compact_fn drop-ins take it when used
+        if query_mask is not None:
+            extra["query_mask"] = query_mask
         return compact_fn(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, scale=scale,
             key_bias=key_bias, ridge=ridge, seed=seed, forced_indices=indices,

@@ -201,23 +201,29 @@ def beta_weights(
     bounds: tuple[float, float] | None = BETA_BOUNDS,
     ridge: float = BETA_RIDGE,
     min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY,
+    probes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Relative weights ``w = exp(β − β⁰)`` ``[B, t]`` from the span-mass design ``A [B, n, t]``.
 
     ``min_{w ∈ [e^lo, e^hi]} ‖A w − 1‖² + ρ ‖w − 1‖²`` with ``ρ = ridge · trace(AᵀA) / t``
     (float64). ``w = 1`` (no change) is returned for every row when ``n < min_probes_per_key · t``,
     and for rows whose solution does not beat ``w = 1`` on that objective (a solver safeguard:
-    the exact minimiser always does) or is not finite.
+    the exact minimiser always does) or is not finite. ``probes`` ``[B]``: each row's real probe
+    count when the design's other rows are zero padding (the guard then applies per row).
     """
     batch, n, t = design.shape
+    ones = torch.ones(batch, t, dtype=design.dtype, device=design.device)
     if n < min_probes_per_key * t:
-        return torch.ones(batch, t, dtype=design.dtype, device=design.device)
+        return ones
     gram, rhs = regularised_system(design.mT @ design, design.sum(1), ridge)
     if bounds is None:
         w = nnls(gram, rhs)
     else:
         w = nnls(gram, rhs, lower=math.exp(bounds[0]), upper=math.exp(bounds[1]))
-    return keep_if_better(w, gram, rhs)
+    w = keep_if_better(w, gram, rhs)
+    if probes is not None:
+        w = torch.where((probes < min_probes_per_key * t)[:, None], ones, w)
+    return w
 
 
 def regularised_system(
@@ -252,12 +258,21 @@ def beta_from_logits(
     bounds: tuple[float, float] | None = BETA_BOUNDS,
     ridge: float = BETA_RIDGE,
     min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY,
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Absolute β ``[B, t]`` for already validated inputs; ``logits`` include ``key_bias``."""
+    """Absolute β ``[B, t]`` for already validated inputs; ``logits`` include ``key_bias``.
+
+    ``query_mask`` (bool ``[B, n]``, ``False`` on padding probes): each row is fitted to its real
+    probes alone (padding rows of the design are zeroed: ``AᵀA`` and ``Aᵀ1`` are the real ones).
+    """
     design, _ = mass_matching_system(logits.to(C.SOLVE_DTYPE), span, indices)
-    w = beta_weights(design, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key).to(
-        logits.dtype
-    )
+    probes = None
+    if query_mask is not None:
+        design = design * query_mask[:, :, None].to(design.dtype)
+        probes = query_mask.sum(1)
+    w = beta_weights(
+        design, bounds=bounds, ridge=ridge, min_probes_per_key=min_probes_per_key, probes=probes
+    ).to(logits.dtype)
     beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
     if key_bias is not None:  # the design already carries the old bias: β is relative to it
         beta = beta + torch.gather(key_bias.to(beta.dtype), 1, indices)

@@ -21,14 +21,20 @@ def attention_logits(
     return raw, raw + key_bias.to(dtype)[:, None, :]
 
 
-def importance(logits: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+def importance(
+    logits: torch.Tensor, span: tuple[int, int], query_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMS attention ``I_j = sqrt(mean_i A_ij²)`` of the span's keys, ``[B, e - s]``.
 
-    ``A`` is the row softmax of ``logits`` over the whole cache, not only the span.
+    ``A`` is the row softmax of ``logits`` over the whole cache, not only the span. ``query_mask``
+    (bool ``[B, n]``, ``False`` on padding probes): the mean runs over each row's real probes.
     """
     start, end = span
     log_attn = logits[:, :, start:end] - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.exp(2.0 * log_attn).mean(dim=1).sqrt()
+    if query_mask is None:
+        return torch.exp(2.0 * log_attn).mean(dim=1).sqrt()
+    keep = query_mask[:, :, None].to(log_attn.dtype)
+    return ((torch.exp(2.0 * log_attn) * keep).sum(dim=1) / keep.sum(dim=1)).sqrt()
 
 
 def top_indices(scores: torch.Tensor, target: int, start: int) -> torch.Tensor:

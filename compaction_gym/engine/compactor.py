@@ -37,6 +37,14 @@ from compaction_gym.compaction.modes import (
     target_size,
 )
 from compaction_gym.compaction.rowmap import replace_blocks
+from compaction_gym.engine.event_batch import (
+    PendingEvent,
+    StackedRows,
+    group_events,
+    split_result,
+    stack_rows,
+    to_host,
+)
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -120,6 +128,11 @@ class Compactor:
         self.record_mass = record_mass
         self.harvest = harvest  # the engine's scratch forward (``repeat`` probes)
         self.repeat_prompt = list(repeat_prompt)
+        #: score the events due at one step in stacked calls (docs/engine.md, "Batched events"): on
+        #: by default on CUDA, where an event's cost is kernel launches and host syncs; off on CPU,
+        #: where it is arithmetic and padding would add some. ``benchmarks/bench_sessions.py
+        #: --compare-unbatched-events`` times both.
+        self.batch_events = cache.k.is_cuda
 
     # -------------------------------------------------------------- triggers
     def kv_budget_span(
@@ -190,13 +203,28 @@ class Compactor:
 
     def make_room(self, s: Session, need: int) -> list[CompactionEvent]:
         """KV-budget events until ``need`` more rows fit under ``max_kv_len`` (or none can fire)."""
-        spans, kv_after = self.plan_room(s, need)
-        events = []
-        for span in spans:
-            events.append(self.compact(s, span, s.config.compact_target_ratio, "kv_budget"))
-            s.budget_events += 1
-        assert self.cache.length(s.slot) == kv_after, (self.cache.length(s.slot), kv_after)
-        return events
+        return self.make_room_many([(s, need)])[0]
+
+    def make_room_many(self, requests: Sequence[tuple[Session, int]]) -> list[list[CompactionEvent]]:
+        """:meth:`make_room` for several distinct sessions at once, one list of events each.
+
+        Every session's spans are planned first (:meth:`plan_room`); round ``r`` then fires the
+        ``r``-th event of every session that needs one, in one :meth:`compact_many` call.
+        """
+        plans = [self.plan_room(s, need) for s, need in requests]
+        out: list[list[CompactionEvent]] = [[] for _ in requests]
+        for r in range(max((len(spans) for spans, _ in plans), default=0)):
+            due = [i for i, (spans, _) in enumerate(plans) if len(spans) > r]
+            batch = [
+                (requests[i][0], plans[i][0][r], requests[i][0].config.compact_target_ratio, "kv_budget")
+                for i in due
+            ]
+            for i, event in zip(due, self.compact_many(batch)):
+                out[i].append(event)
+                requests[i][0].budget_events += 1
+        for (s, _), (_, kv_after) in zip(requests, plans):
+            assert self.cache.length(s.slot) == kv_after, (self.cache.length(s.slot), kv_after)
+        return out
 
     def turn_span(self, s: Session) -> tuple[int, int] | None:
         """The region a turn-based event compacts after a response, or ``None``."""
@@ -220,88 +248,151 @@ class Compactor:
             return None
         return start, end
 
-    # ------------------------------------------------------------ one event
+    # ---------------------------------------------------------------- events
     def compact(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> CompactionEvent:
         """Compact rows ``span`` of ``s`` to ``target_size(mode, len, ratio)`` rows; return the event."""
+        return self.compact_many([(s, span, ratio, trigger)])[0]
+
+    def compact_many(
+        self, requests: Sequence[tuple[Session, tuple[int, int], float, Trigger]]
+    ) -> list[CompactionEvent]:
+        """One event per ``(session, span, ratio, trigger)``, all due now; the events, in order.
+
+        Every event's probes are gathered first; events of one shape (:func:`batch_key`) are then
+        scored by one stacked :func:`apply_event` call (docs/engine.md, "Batched events"), the
+        others alone; each session's block is written back and its event recorded as if it had
+        been compacted alone. The sessions must be distinct (a session's next event depends on
+        this one's block).
+        """
+        assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
+        pending = [self._prepare(*r) for r in requests]
+        done: dict[int, tuple[CompactionResult, torch.Tensor, torch.Tensor | None]] = {}
+        rows = self.layout.n_layers * self.layout.n_kv_heads
+        groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
+        for group in groups:
+            t0 = time.perf_counter()
+            if len(group) == 1:
+                blocks = [self._score(pending[group[0]])]
+            else:
+                stacked = stack_rows([pending[i] for i in group])
+                blocks = split_result(self._score(pending[group[0]], stacked), stacked)
+            # the recorded indices and β of the whole group: one device→host copy
+            recorded = pending[group[0]].session.config.compute_beta and blocks[0].beta is not None
+            indices, beta = to_host(
+                torch.stack([b.indices for b in blocks]),
+                torch.stack([b.beta for b in blocks]) if recorded else None,
+            )
+            share = (time.perf_counter() - t0) / len(group)  # a stacked call's time, split evenly
+            for k, i in enumerate(group):
+                pending[i].timings["compact"] = share
+                done[i] = (blocks[k], indices[k], None if beta is None else beta[k])
+        return [self._finish(p, *done[i]) for i, p in enumerate(pending)]
+
+    def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
+        """An event's span, target and probes, read from the slot as it stands."""
         t0 = time.perf_counter()
-        cfg, cache, lay = s.config, self.cache, self.layout
+        cfg, cache = s.config, self.cache
         start, end = span
         kv_before = cache.length(s.slot)
         assert 0 <= start < end <= kv_before, (span, kv_before)
-        target = target_size(cfg.mode, end - start, ratio)
         index = len(s.events)
         log_span = s.row_map.logical_span(start, end)
-        probe_range = probe_seed = probe_rows = recorded_beta = probe_tokens = None
-        timings: dict[str, float] = {}
         keys_all, values_all, beta_all = cache.rows(s.slot)
-        queries = None
+        p = PendingEvent(
+            session=s, span=span, trigger=trigger, target=target_size(cfg.mode, end - start, ratio),
+            index=index, logical_span=log_span, kv_len_before=kv_before, keys=keys_all, values=values_all,
+            key_bias=beta_all if cache.has_beta[s.slot] else None, queries=None, query_positions=None,
+            started=t0,
+        )  # fmt: skip
         if cfg.mode != "markovian":  # a deletion needs no probes
-            queries, probe_range, probe_seed, probe_rows, probe_tokens = self._probes(
+            p.queries, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
                 s, keys_all, log_span, index
             )
-        qpos = self._probe_positions(
-            s, probe_range, probe_rows, keys_all.device, len(probe_tokens) if probe_tokens else 0
+        p.query_positions = self._probe_positions(
+            s, p.probe_range, p.probe_rows, keys_all.device, len(p.probe_tokens) if p.probe_tokens else 0
         )
-        timings["probes"] = time.perf_counter() - t0
-        result = apply_event(
-            keys_all,
-            values_all,
-            queries,
+        p.timings["probes"] = time.perf_counter() - t0
+        return p
+
+    def _score(self, p: PendingEvent, stacked: StackedRows | None = None) -> CompactionResult:
+        """``p``'s block by :func:`apply_event` (the call replay makes), or the block of every event
+        in ``stacked`` when given (``p`` then only supplies the shared settings)."""
+        cfg, lay = p.session.config, self.layout
+        one = stacked is None
+        return apply_event(
+            p.keys if one else stacked.keys,
+            p.values if one else stacked.values,
+            p.queries if one else stacked.queries,
             mode=cfg.mode,
-            span=span,
-            target=target,
+            span=p.span if one else stacked.span,
+            target=p.target,
             compute_beta=cfg.compute_beta,
             scale=lay.scale,
-            key_bias=beta_all if cache.has_beta[s.slot] else None,
+            key_bias=p.key_bias if one else stacked.key_bias,
             ridge=cfg.ridge,
-            seed=_mix(s.seed, index) if cfg.mode == "random" else None,
+            seed=_mix(p.session.seed, p.index) if cfg.mode == "random" else None,
             compact_fn=self.compact_fn,
-            query_positions=qpos,
+            query_positions=p.query_positions if one else None,
             n_kv_heads=lay.n_kv_heads,
             refit_values=cfg.refit_values,
+            query_mask=None if one else stacked.query_mask,
         )
-        timings["compact"] = time.perf_counter() - t0 - timings["probes"]
-        keys, values, beta = result.keys, result.values, result.beta
+
+    def _finish(
+        self,
+        p: PendingEvent,
+        result: CompactionResult,
+        host_indices: torch.Tensor,
+        host_beta: torch.Tensor | None,
+    ) -> CompactionEvent:
+        """Write ``p``'s block into its slot and record its event (``host_*``: its indices and fitted
+        β, copied to the host)."""
+        s, cfg, cache, lay = p.session, p.session.config, self.cache, self.layout
+        start, end = p.span
+        timings, target = p.timings, p.target
         t_mass = time.perf_counter()
         mass = None
         if self.record_mass and target == 0:
             mass = 0.0
-        elif self.record_mass and queries is not None:  # before the span's rows are overwritten
+        elif self.record_mass and p.queries is not None:  # before the span's rows are overwritten
             mass = attention_mass_kept(
-                keys_all, queries, span, result.indices, scale=lay.scale,
-                key_bias=beta_all if cache.has_beta[s.slot] else None, beta=beta,
+                p.keys, p.queries, p.span, result.indices, scale=lay.scale, key_bias=p.key_bias, beta=result.beta,
             )  # fmt: skip
         if self.record_mass:
             timings["mass"] = time.perf_counter() - t_mass
-        indices = result.indices.reshape(lay.n_layers, lay.n_kv_heads, target).cpu()
-        if cfg.compute_beta and beta is not None:  # what the cache stores (float32): replay's constant β
-            recorded_beta = beta.reshape(lay.n_layers, lay.n_kv_heads, target).to("cpu", torch.float32)
-        kv_after = cache.replace_span(s.slot, span, keys, values, beta)
-        s.row_map.replace(start, end, target, log_span)
+        t_write = time.perf_counter()
+        indices = host_indices.reshape(lay.n_layers, lay.n_kv_heads, target)
+        # what the cache stores (float32): replay's constant β
+        recorded_beta = None if host_beta is None else host_beta.reshape(lay.n_layers, lay.n_kv_heads, target)
+        # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
+        beta = result.beta if cfg.compute_beta or cache.has_beta[s.slot] else None
+        nonzero = cache.has_beta[s.slot] or (recorded_beta is not None and bool((recorded_beta != 0).any()))
+        kv_after = cache.replace_span(s.slot, p.span, result.keys, result.values, beta, nonzero=nonzero)
+        s.row_map.replace(start, end, target, p.logical_span)
         assert s.row_map.rows == kv_after
         # the diagnostic is not compaction's cost
-        timings["total"] = time.perf_counter() - t0 - timings.get("mass", 0.0)
+        timings["total"] = timings["probes"] + timings["compact"] + time.perf_counter() - t_write
         event = CompactionEvent(
-            index=index,
-            trigger=trigger,
+            index=p.index,
+            trigger=p.trigger,
             mode=cfg.mode,
             span=(start, end),
-            logical_span=log_span,
+            logical_span=p.logical_span,
             indices=indices,
             target=target,
             probe_source=cfg.queries,
-            probe_logical_range=probe_range,
-            probe_seed=probe_seed,
+            probe_logical_range=p.probe_range,
+            probe_seed=p.probe_seed,
             compute_beta=cfg.compute_beta,
-            kv_len_before=kv_before,
+            kv_len_before=p.kv_len_before,
             kv_len_after=kv_after,
             logical_len=s.fed,
             position_offset=s.fed - kv_after,
             timings=timings,
-            probe_rows=probe_rows,
+            probe_rows=p.probe_rows,
             beta=recorded_beta,
             mass_kept=mass,
-            probe_tokens=probe_tokens,
+            probe_tokens=p.probe_tokens,
             refit_values=cfg.refit_values,
         )
         s.events.append(event)

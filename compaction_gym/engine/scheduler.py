@@ -244,7 +244,7 @@ class Scheduler:
         the others (no new tokens, scored inputs, nothing to generate) are fed now.
         """
         t0 = time.perf_counter()
-        messages = [self._make_room(w) for w in works]
+        messages = self._make_room(works)
         for w, msgs in zip(works, messages):
             self._take_input(w, msgs)
         t1 = time.perf_counter()
@@ -314,34 +314,48 @@ class Scheduler:
         self.running.remove(w)
         return True
 
-    def _make_room(self, w: Work) -> list[list[int]]:
-        """KV-budget compaction before the input; returns the budget messages to inject after it.
+    def _make_room(self, works: list[Work]) -> list[list[list[int]]]:
+        """KV-budget compaction before the inputs; per work, the budget messages to inject after it.
 
         The fit was checked by :meth:`check` before the batch started.
         """
-        s = w.session
-        _, message = self._compact_for(w, len(s.pending) + len(w.new_ids))
-        need = len(s.pending) + len(w.new_ids) + len(message)
-        assert self.kv_len(s) + need <= self.cache.capacity, (s.session_id, self.kv_len(s), need)
-        return [message] if message else []
+        needs = [len(w.session.pending) + len(w.new_ids) for w in works]
+        messages = self._compact_for(works, needs, [True] * len(works))
+        for w, need, message in zip(works, needs, messages):
+            s = w.session
+            assert self.kv_len(s) + need + len(message) <= self.cache.capacity, (
+                s.session_id,
+                self.kv_len(s),
+                need,
+            )
+        return [[m] if m else [] for m in messages]
 
-    def _compact_for(
-        self, w: Work, need: int, *, with_message: bool = True
-    ) -> tuple[list[CompactionEvent], list[int]]:
-        """KV-budget events so that ``need`` more rows fit, plus the budget message they call for.
+    def _compact_for(self, works: list[Work], needs: list[int], with_message: list[bool]) -> list[list[int]]:
+        """KV-budget events so that ``needs[i]`` more rows fit in each work's session, plus the
+        budget message each work's events call for.
 
-        Events fired back to back share one message, and room is made for the message too.
+        The works' events are fired together (:meth:`Compactor.make_room_many`: those due at once
+        share stacked calls); a work's events fired back to back share one message, and room is
+        made for the message too. Each work is charged its events' share of the time.
         """
-        s = w.session
-        tc = time.perf_counter()
-        events = self.compactor.make_room(s, need)
-        message: list[int] = []
-        if events and with_message and s.config.inject_budget_message:
-            events += self.compactor.make_room(s, need + len(self.budget_message(s)))
-            message = self.budget_message(s)
-        w.events += events
-        w.compaction_s += time.perf_counter() - tc
-        return events, message
+        events = self.compactor.make_room_many([(w.session, n) for w, n in zip(works, needs)])
+        messages: list[list[int]] = [[] for _ in works]
+        more = [
+            i
+            for i, (w, ev) in enumerate(zip(works, events))
+            if ev and with_message[i] and w.session.config.inject_budget_message
+        ]
+        if more:
+            extra = self.compactor.make_room_many(
+                [(works[i].session, needs[i] + len(self.budget_message(works[i].session))) for i in more]
+            )
+            for i, ev in zip(more, extra):
+                events[i] += ev
+                messages[i] = self.budget_message(works[i].session)
+        for w, ev in zip(works, events):
+            w.events += ev
+            w.compaction_s += sum(e.timings["total"] for e in ev)
+        return messages
 
     def _take_input(self, w: Work, messages: list[list[int]]) -> None:
         s = w.session
@@ -432,10 +446,12 @@ class Scheduler:
                 [w.params for w in holding],
                 [w.stream for w in holding],
             )
+            going = []
             for w, tok, lp in zip(holding, tokens, logprobs):
                 w.logits = None
                 if self._take_token(w, tok, lp):
-                    self._room_for_next(w)
+                    going.append(w)
+            self._room_for_next(going)
         active = [w for w in active if w.finish is None]
         feeding = [w for w in active if len(w.session.pending) > 1]
         decoding = [w for w in active if len(w.session.pending) == 1]
@@ -465,17 +481,16 @@ class Scheduler:
         tokens, logprobs = sample(
             logits[len(feeds) :], [w.params for w in decoding], [w.stream for w in decoding]
         )
-        going = []
+        taken = []
         for w, tok, lp in zip(decoding, tokens, logprobs):
             s = w.session
             s.row_map.append(s.fed, 1)
             s.fed += 1
             s.last_logits = None
             if self._take_token(w, tok, lp):
-                self._room_for_next(w)
-                if w.finish is None and len(s.pending) == 1:
-                    going.append(w)
-        return going
+                taken.append(w)
+        self._room_for_next(taken)
+        return [w for w in taken if w.finish is None and len(w.session.pending) == 1]
 
     def _decode_chunk(self, works: list[Work], horizon: int) -> None:
         """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed."""
@@ -487,6 +502,7 @@ class Scheduler:
             for w, n in zip(works, limits)
         ]  # fmt: skip
         decoded = self.runner.decode_chunk(rows, max(limits))
+        going = []
         for w, (tokens, logprobs) in zip(works, decoded):
             s = w.session
             s.row_map.append(s.fed, len(tokens))  # fed: the pending token and every sampled one but the last
@@ -496,7 +512,8 @@ class Scheduler:
                 going_on = self._take_token(w, tok, lp)
                 assert going_on or i == len(tokens) - 1, "a row ran past its stop"
             if going_on:
-                self._room_for_next(w)
+                going.append(w)
+        self._room_for_next(going)
 
     def _free_steps(self, w: Work, horizon: int) -> int:
         """Decode steps ``w`` may run before the host must act (at least 1, at most ``horizon``).
@@ -546,20 +563,25 @@ class Scheduler:
             self._finish(w, "length")
         return w.finish is None
 
-    def _room_for_next(self, w: Work) -> None:
-        """The periodic budget message when ``inject_budget_every`` sampled tokens have passed, then
-        KV-budget compaction (and its budget message, unless the periodic one was just injected) so
-        the pending tokens fit; ``length`` if the slot is full."""
-        s = w.session
-        every = s.config.inject_budget_every
-        periodic = every is not None and s.generated % every == 0
-        if periodic:
-            self._inject(w, self.budget_message(s))
-        _, message = self._compact_for(w, len(s.pending), with_message=not periodic)
-        if message:
-            self._inject(w, message)
-        if self.kv_len(s) + len(s.pending) > self.cache.capacity:
-            self._finish(w, "length")
+    def _room_for_next(self, works: list[Work]) -> None:
+        """Per work: the periodic budget message when ``inject_budget_every`` sampled tokens have
+        passed, then KV-budget compaction (and its budget message, unless the periodic one was just
+        injected) so the pending tokens fit; ``length`` if the slot is full. The works' events are
+        fired together (:meth:`_compact_for`)."""
+        periodic = []
+        for w in works:
+            s = w.session
+            every = s.config.inject_budget_every
+            periodic.append(every is not None and s.generated % every == 0)
+            if periodic[-1]:
+                self._inject(w, self.budget_message(s))
+        needs = [len(w.session.pending) for w in works]
+        messages = self._compact_for(works, needs, [not p for p in periodic])
+        for w, message in zip(works, messages):
+            if message:
+                self._inject(w, message)
+            if self.kv_len(w.session) + len(w.session.pending) > self.cache.capacity:
+                self._finish(w, "length")
 
     def _finish(self, w: Work, reason: str) -> None:
         w.finish = reason
@@ -569,17 +591,22 @@ class Scheduler:
         w.logits = None
 
     def _after_response(self, works: list[Work]) -> None:
-        feed = []
+        due: list[tuple[Work, tuple[int, int]]] = []
         for w in works:
             s = w.session
             if not s.config.turn_based or (w.sampled == 0 and not w.response_complete):
                 continue
             span = self.compactor.turn_span(s)
-            if span is None:
-                continue
-            tc = time.perf_counter()
-            w.events.append(self.compactor.compact(s, span, s.config.compact_target_ratio, "turn"))
-            w.compaction_s += time.perf_counter() - tc
+            if span is not None:
+                due.append((w, span))
+        events = self.compactor.compact_many(
+            [(w.session, span, w.session.config.compact_target_ratio, "turn") for w, span in due]
+        )
+        feed = []
+        for (w, _), event in zip(due, events):
+            s = w.session
+            w.events.append(event)
+            w.compaction_s += event.timings["total"]
             if s.config.inject_budget_message:
                 self._inject(w, self.budget_message(s))
                 if self.kv_len(s) + len(s.pending) <= self.cache.capacity:

@@ -155,12 +155,16 @@ class SlotKVCache:
         keys: torch.Tensor,
         values: torch.Tensor,
         beta: torch.Tensor | None,
+        *,
+        nonzero: bool | None = None,
     ) -> int:
         """Replace rows ``span`` of every layer/head by a block of ``t`` rows, shifting the suffix.
 
         Args:
             keys, values: the block ``[L * H_kv, t, d]`` (``t`` may be 0: the span is deleted).
             beta: absolute β of the block ``[L * H_kv, t]``, or ``None`` for zero β.
+            nonzero: whether the slot holds a nonzero β afterwards, when the caller knows it (a
+                host copy of ``beta``): spares the device synchronisation that finds out.
 
         Returns:
             The slot's new length.
@@ -182,7 +186,8 @@ class SlotKVCache:
                 self.beta[slot, :, :, start : start + t] = 0.0
             else:
                 self.beta[slot, :, :, start : start + t] = beta.reshape(*lay, t).to(torch.float32)
-                self.has_beta[slot] = self.has_beta[slot] or bool(beta.abs().max() > 0)
+                found = nonzero if nonzero is not None else bool(beta.abs().max() > 0)
+                self.has_beta[slot] = self.has_beta[slot] or found
         self.beta[slot, :, :, new:old] = 0.0
         self._lengths[slot] = new
         return new

@@ -155,9 +155,14 @@ if HAS_TRITON:
 
 def _span_stats(
     keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, span: tuple[int, int], scale: float,
-    key_bias: torch.Tensor | None,
+    key_bias: torch.Tensor | None, query_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``lse_all [B, n]``, ``lse_span [B, n]``, ``Y [B, n, d_v]`` and importance ``[B, W]`` (kernels)."""
+    """``lse_all [B, n]``, ``lse_span [B, n]``, ``Y [B, n, d_v]`` and importance ``[B, W]`` (kernels).
+
+    Padding probes (``query_mask`` ``False``) get ``lse_all = +inf``, so their attention, and their
+    share of the importance, is exactly 0 (the importance is then the real probes' RMS attention
+    scaled by ``sqrt(n_real / n)``, a per-row constant: the same top-t set).
+    """
     batch, T, d = keys.shape
     n = queries.shape[1]
     s, e = span
@@ -176,6 +181,8 @@ def _span_stats(
         kb.stride(0), y.stride(0), y.stride(1), n, T, s, e, scale * 1.4426950408889634,
         BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, num_warps=4, num_stages=2, **common,
     )  # fmt: skip
+    if query_mask is not None:
+        lse_all.masked_fill_(~query_mask, float("inf"))
     _importance_kernel[(triton.cdiv(e - s, 64), batch)](
         queries, keys, kb, lse_all, imp,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), kb.stride(0),
@@ -214,23 +221,34 @@ def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return design.mT @ design, design.sum(1)
 
 
-def fast_beta_weights(biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS) -> torch.Tensor:
+def fast_beta_weights(
+    biased: torch.Tensor, lse_span: torch.Tensor, *, half: bool, iters: int = FISTA_ITERS,
+    query_mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """β's relative weights ``w [B, t]`` (float32) from the kept keys' biased logits ``[B, n, t]`` and the
     probes' span log-sum-exp ``[B, n]``: the package's regularised fit
     (:func:`~compaction_gym.compaction.beta.beta_weights`) solved by box-projected FISTA, no host sync.
 
     ``half``: the cache is bf16/fp16 (bf16 design operands, fp16 Gram storage in the kernel).
+    ``query_mask`` (bool ``[B, n]``): padding probes' design rows are zeroed and the probe guard
+    counts each row's real probes.
     """
     batch, n, t = biased.shape
+    ones = torch.ones(batch, t, dtype=torch.float32, device=biased.device)
     if n < BETA_MIN_PROBES_PER_KEY * t:  # probe guard: keep the old bias
-        return torch.ones(batch, t, dtype=torch.float32, device=biased.device)
+        return ones
     design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
+    if query_mask is not None:
+        design.mul_(query_mask[:, :, None])
     gram, rhs = regularised_system(*_gram(design.to(torch.bfloat16) if half else design), BETA_RIDGE)
     w = nnls_fista(
         gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
         lower=math.exp(BETA_BOUNDS[0]), upper=math.exp(BETA_BOUNDS[1]),
     )  # fmt: skip
-    return keep_if_better(w, gram, rhs)
+    w = keep_if_better(w, gram, rhs)
+    if query_mask is not None:
+        w = torch.where((query_mask.sum(1) < BETA_MIN_PROBES_PER_KEY * t)[:, None], ones, w)
+    return w
 
 
 def compact_fast(
@@ -251,6 +269,7 @@ def compact_fast(
     query_positions: torch.Tensor | None = None,
     n_kv_heads: int | None = None,
     refit_values: bool = True,
+    query_mask: torch.Tensor | None = None,
 ) -> CompactionResult:
     """:func:`~compaction_gym.compaction.api` with the fused GPU path for Attention Matching.
 
@@ -263,6 +282,9 @@ def compact_fast(
     β's box-constrained fit is ``beta_iters`` FISTA iterations
     (:func:`~compaction_gym.engine.fast.nnls.nnls_fista`) instead of the package's projected Newton
     to convergence: the span-mass objective agrees to ~0.1 % at the default 128 iterations.
+
+    ``query_mask`` (bool ``[B, n]``, ``False`` on padding probes: events of different probe counts
+    stacked in one call) makes every row's selection, β and C2 those of its real probes alone.
     """
     d = keys.shape[-1] if isinstance(keys, torch.Tensor) and keys.dim() == 3 else 0
     fast = (
@@ -280,11 +302,11 @@ def compact_fast(
         return compact(
             keys, values, queries, span, target, mode=mode, compute_beta=compute_beta, forced_indices=forced_indices,
             scale=scale, key_bias=key_bias, ridge=ridge, seed=seed, query_positions=query_positions,
-            n_kv_heads=n_kv_heads, refit_values=refit_values,
+            n_kv_heads=n_kv_heads, refit_values=refit_values, query_mask=query_mask,
         )  # fmt: skip
     start, end = span
     scale = scale if scale is not None else d**-0.5
-    lse_all, lse_span, y, imp = _span_stats(keys, values, queries, span, scale, key_bias)
+    lse_all, lse_span, y, imp = _span_stats(keys, values, queries, span, scale, key_bias, query_mask)
     local = torch.topk(imp, target, dim=-1, sorted=False).indices
     indices = torch.sort(local, dim=-1).values + start
     raw = _logits_at(keys, queries, indices, scale)  # [B, n, t]
@@ -292,7 +314,9 @@ def compact_fast(
     biased = raw + old_beta[:, None, :] if old_beta is not None else raw
     beta = None
     if compute_beta:
-        w = fast_beta_weights(biased, lse_span, half=keys.dtype != torch.float32, iters=beta_iters)
+        w = fast_beta_weights(
+            biased, lse_span, half=keys.dtype != torch.float32, iters=beta_iters, query_mask=query_mask
+        )
         beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
         if old_beta is not None:
             beta = beta + old_beta
@@ -300,6 +324,10 @@ def compact_fast(
         x = torch.softmax(raw + beta[:, None, :], dim=-1)
     else:
         x = torch.softmax(biased, dim=-1)
+    if query_mask is not None:  # padding probes leave the C2 solve (and its relative ridge's probe count)
+        keep = query_mask[:, :, None]
+        x.mul_(keep)  # in place: both are this call's own [B, n, ·] buffers
+        y.mul_(keep)
     gather = indices[:, :, None].expand(-1, -1, d)
     # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values.
     # Every probe is real (a softmax row is never all zero), so no pass over x counts them.

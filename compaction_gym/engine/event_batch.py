@@ -1,0 +1,187 @@
+"""Compaction events due at the same step, stacked into one call (docs/engine.md, "Batched events").
+
+The :class:`~compaction_gym.engine.compactor.Compactor` prepares every event of a scheduler step
+first (span, probes: a :class:`PendingEvent`), groups those of one shape (:func:`batch_key`) and
+scores each group with one :func:`~compaction_gym.compaction.apply_event` call over the stacked
+rows of all its sessions (:func:`stack_rows`), instead of one call per session.
+
+What the math reads. Attention Matching reads, per row (layer × KV head), the span's keys, values
+and β and the probes, and also every other row's key and β: the importance is the probes' softmax
+over the *whole* cache, so the keys outside the span enter through one log-sum-exp per probe
+(and with ``refit_values=False`` the β check compares full-cache attention outputs, which read
+every value). So whole rows are stacked: each session's rows are placed so that its span starts
+at the same stacked row ``P`` (the largest span start), and the shorter ones are padded. Padding
+rows carry key bias ``-inf``: weight exactly 0 in every softmax and log-sum-exp, so each session's
+problem is its own, up to the float rounding of sums over a longer row. Events of different
+probe counts are stacked too: the probes are padded with zeros to the largest count and a
+``query_mask`` tells the math which probes are real (selection, β and C2 then read each row's real
+probes alone). Only ``attention_matching`` is stacked: the baselines' causal masks
+(``query_positions``), per-event seeds and per-layer head averages address rows or events
+individually; with ``refit_values=False`` (whose β check reads no mask) only equal probe counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from compaction_gym.compaction import CompactionResult
+from compaction_gym.engine.session import Session
+
+#: Most rows (sessions × layers × KV heads) of one stacked call: the fused kernels launch one
+#: program per row on CUDA's second grid axis, which holds at most 65,535.
+MAX_STACKED_ROWS = 65_535
+#: Most ``rows · n · (d + t)`` of one stacked call (``n`` probes, head dim ``d``, ``t`` kept rows):
+#: the size of its float32 intermediates, ``Y [rows, n, d]`` and the ``[rows, n, t]`` logits, so
+#: that a call's working memory stays near 4 GiB each (Qwen3-4B, 1,024 probes, t = 64: 18 sessions).
+MAX_STACKED_ELEMENTS = 1 << 30
+
+
+@dataclass(eq=False)
+class PendingEvent:
+    """One event between its probes and its write-back: what scoring reads and the event records."""
+
+    session: Session
+    span: tuple[int, int]
+    trigger: str
+    target: int
+    index: int
+    logical_span: tuple[int, int]
+    kv_len_before: int
+    keys: torch.Tensor  # the slot's rows [L * H_kv, T, d] (views, valid until the write-back)
+    values: torch.Tensor
+    key_bias: torch.Tensor | None  # [L * H_kv, T], None when the slot holds no β
+    queries: torch.Tensor | None  # probes [L * H_kv, n, d]
+    query_positions: torch.Tensor | None
+    probe_range: tuple[int, int] | None = None
+    probe_seed: int | None = None
+    probe_rows: tuple[int, int] | None = None
+    probe_tokens: tuple[int, ...] | None = None
+    started: float = 0.0  # perf_counter when the event began
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def batch_key(p: PendingEvent) -> tuple | None:
+    """Events with equal keys can be scored in one stacked call; ``None``: this one goes alone."""
+    cfg = p.session.config
+    if cfg.mode != "attention_matching" or p.queries is None:
+        return None
+    n, d = p.queries.shape[1:]
+    span_len = p.span[1] - p.span[0]
+    probes = None if cfg.refit_values else n  # stacked with padding probes only when C2 is refitted
+    return (
+        cfg.mode,
+        span_len,
+        p.target,
+        probes,
+        d,
+        p.keys.dtype,
+        cfg.compute_beta,
+        cfg.ridge,
+        cfg.refit_values,
+    )
+
+
+def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[list[int]]:
+    """Indices of ``pending`` by batch key, in first-seen order, each group split into calls of at
+    most :data:`MAX_STACKED_ROWS` rows and :data:`MAX_STACKED_ELEMENTS`; an event without a key
+    is a group of its own."""
+    groups: dict[object, list[int]] = {}
+    for i, p in enumerate(pending):
+        key = batch_key(p)
+        groups.setdefault(("alone", i) if key is None else key, []).append(i)
+    calls = []
+    for g in groups.values():
+        first = pending[g[0]]
+        n = max(0 if pending[i].queries is None else pending[i].queries.shape[1] for i in g)
+        size = 0 if first.queries is None else n * (first.queries.shape[2] + first.target)
+        rows = min(MAX_STACKED_ROWS, MAX_STACKED_ELEMENTS // max(1, size))
+        per_call = max(1, rows // rows_per_event)
+        calls += [g[a : a + per_call] for a in range(0, len(g), per_call)]
+    return calls
+
+
+@dataclass
+class StackedRows:
+    """Rows of several events laid out for one scoring call: span ``span`` in every row."""
+
+    keys: torch.Tensor  # [S * B, T, d]
+    values: torch.Tensor  # [S * B, T, d_v]
+    key_bias: torch.Tensor  # [S * B, T] float32, -inf on padding rows
+    queries: torch.Tensor  # [S * B, n, d], zero-padded to the largest probe count
+    query_mask: torch.Tensor | None  # [S * B, n] bool, False on padding probes (None: no padding)
+    span: tuple[int, int]
+    shifts: torch.Tensor  # [S] int64: stacked row = session row + shift
+
+
+def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
+    """Each event's rows shifted so its span starts at the same row; padding rows get bias ``-inf``,
+    padding probes (zeros) ``False`` in the query mask."""
+    first = events[0]
+    rows, _, d = first.keys.shape
+    span_len = first.span[1] - first.span[0]
+    start = max(p.span[0] for p in events)
+    shifts = [start - p.span[0] for p in events]
+    # rounded up to 16 rows: the kernels' row strides keep one divisibility (one compiled variant)
+    length = -(-max(s + p.keys.shape[1] for s, p in zip(shifts, events)) // 16) * 16
+    n_ev = len(events)
+    keys = first.keys.new_zeros(n_ev, rows, length, d)
+    values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
+    bias = torch.full((n_ev, rows, length), float("-inf"), dtype=torch.float32, device=keys.device)
+    for i, (s, p) in enumerate(zip(shifts, events)):
+        t = p.keys.shape[1]
+        keys[i, :, s : s + t] = p.keys
+        values[i, :, s : s + t] = p.values
+        bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
+    counts = [p.queries.shape[1] for p in events]
+    n = max(counts)
+    mask = None
+    if min(counts) == n:
+        queries = torch.cat([p.queries for p in events])
+    else:
+        queries = first.queries.new_zeros(n_ev, rows, n, d)
+        mask = torch.zeros(n_ev, rows, n, dtype=torch.bool, device=keys.device)
+        for i, p in enumerate(events):
+            queries[i, :, : counts[i]] = p.queries
+            mask[i, :, : counts[i]] = True
+        queries, mask = queries.view(n_ev * rows, n, d), mask.view(n_ev * rows, n)
+    return StackedRows(
+        keys.view(n_ev * rows, length, d),
+        values.view(n_ev * rows, length, -1),
+        bias.view(n_ev * rows, length),
+        queries,
+        mask,
+        (start, start + span_len),
+        torch.tensor(shifts, dtype=torch.long, device=keys.device),
+    )
+
+
+def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
+    """Each event's block, its kept indices back in its own cache rows."""
+    n_ev = stacked.shifts.shape[0]
+    rows = result.indices.shape[0] // n_ev
+    t = result.indices.shape[1]
+    indices = result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None]
+    keys = result.keys.view(n_ev, rows, t, -1)
+    values = result.values.view(n_ev, rows, t, -1)
+    beta = None if result.beta is None else result.beta.view(n_ev, rows, t)
+    return [
+        CompactionResult(keys[i], values[i], None if beta is None else beta[i], indices[i])
+        for i in range(n_ev)
+    ]
+
+
+def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Int64 ``indices`` and float32 ``beta`` (same shape) on the host in one device→host copy.
+
+    β's float32 bits travel in int64 lanes beside the indices (one synchronisation instead of two)
+    and are reinterpreted on the host, so the copy is bit-exact.
+    """
+    if beta is None:
+        return indices.cpu(), None
+    t = indices.shape[-1]
+    bits = beta.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    packed = torch.cat([indices.to(torch.int64), bits], dim=-1).cpu()
+    return packed[..., :t].contiguous(), packed[..., t:].to(torch.int32).contiguous().view(torch.float32)
