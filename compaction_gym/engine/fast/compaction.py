@@ -330,8 +330,11 @@ def compact_fast(
         y.mul_(keep)
     gather = indices[:, :, None].expand(-1, -1, d)
     # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values.
-    # Every probe is real (a softmax row is never all zero), so no pass over x counts them.
-    probes = torch.full((x.shape[0],), x.shape[1], dtype=x.dtype, device=x.device)
+    # The real probes are known (a softmax row is never all zero), so no pass over x counts them.
+    if query_mask is None:
+        probes = torch.full((x.shape[0],), x.shape[1], dtype=x.dtype, device=x.device)
+    else:
+        probes = query_mask.sum(-1, dtype=x.dtype)
     prior = torch.gather(values, 1, gather).to(x.dtype)
     fitted = ridge_solve_ex(x, y, prior, ridge, probes)[0].to(values.dtype)
     kept_keys = torch.gather(keys, 1, gather)
