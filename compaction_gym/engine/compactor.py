@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
@@ -265,28 +266,34 @@ class Compactor:
         this one's block).
         """
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
-        pending = [self._prepare(*r) for r in requests]
+        with record_function("compaction.prepare"):
+            pending = [self._prepare(*r) for r in requests]
         done: dict[int, tuple[CompactionResult, torch.Tensor, torch.Tensor | None]] = {}
         rows = self.layout.n_layers * self.layout.n_kv_heads
         groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
         for group in groups:
             t0 = time.perf_counter()
             if len(group) == 1:
-                blocks = [self._score(pending[group[0]])]
+                with record_function("compaction.score"):
+                    blocks = [self._score(pending[group[0]])]
             else:
-                stacked = stack_rows([pending[i] for i in group])
-                blocks = split_result(self._score(pending[group[0]], stacked), stacked)
+                with record_function("compaction.stack"):
+                    stacked = stack_rows([pending[i] for i in group])
+                with record_function("compaction.score"):
+                    blocks = split_result(self._score(pending[group[0]], stacked), stacked)
             # the recorded indices and β of the whole group: one device→host copy
             recorded = pending[group[0]].session.config.compute_beta and blocks[0].beta is not None
-            indices, beta = to_host(
-                torch.stack([b.indices for b in blocks]),
-                torch.stack([b.beta for b in blocks]) if recorded else None,
-            )
+            with record_function("compaction.to_host"):
+                indices, beta = to_host(
+                    torch.stack([b.indices for b in blocks]),
+                    torch.stack([b.beta for b in blocks]) if recorded else None,
+                )
             share = (time.perf_counter() - t0) / len(group)  # a stacked call's time, split evenly
             for k, i in enumerate(group):
                 pending[i].timings["compact"] = share
                 done[i] = (blocks[k], indices[k], None if beta is None else beta[k])
-        return [self._finish(p, *done[i]) for i, p in enumerate(pending)]
+        with record_function("compaction.finish"):
+            return [self._finish(p, *done[i]) for i, p in enumerate(pending)]
 
     def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
         """An event's span, target and probes, read from the slot as it stands."""
