@@ -38,6 +38,7 @@ from compaction_gym.servers.schemas import (
     SessionStepBatchRequest,
     SessionStepRequest,
     StepBatchResponse,
+    response_json,
     to_response,
 )
 from compaction_gym.servers.state import ServerState, unless_disconnected
@@ -78,17 +79,17 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     _add_error_handlers(app, state)
 
     @app.post("/compact_generate", response_model=GenerateResponse)
-    async def compact_generate(body: CompactGenerateRequest, request: Request) -> dict[str, Any]:
+    async def compact_generate(body: CompactGenerateRequest, request: Request) -> Response:
         """One prompt, compacted mid-generation; no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/inject_generate", response_model=GenerateResponse)
-    async def inject_generate(body: InjectGenerateRequest, request: Request) -> dict[str, Any]:
+    async def inject_generate(body: InjectGenerateRequest, request: Request) -> Response:
         """One prompt, no compaction, the budget message fed every ``inject_budget_every`` sampled
         tokens (mask 0, log-prob 0); no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
@@ -96,10 +97,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/create", response_model=GenerateResponse)
-    async def session_create(body: SessionCreateRequest, request: Request) -> dict[str, Any]:
+    async def session_create(body: SessionCreateRequest, request: Request) -> Response:
         """Prefill ``prompt_ids`` into a new session and generate its first response."""
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
@@ -108,10 +109,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             body.prompt_ids, config, sampling, session_id=body.session_id, score_input=body.score_input
         )
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/step", response_model=GenerateResponse)
-    async def session_step(body: SessionStepRequest, request: Request) -> dict[str, Any]:
+    async def session_step(body: SessionStepRequest, request: Request) -> Response:
         """Feed ``new_token_ids`` into a session, then generate (batched with concurrent steps)."""
         _check_step(state, body, "")
         work = state.worker.step(
@@ -122,10 +123,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             score_input=body.score_input,
         )
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/step_batch", response_model=StepBatchResponse)
-    async def session_step_batch(body: SessionStepBatchRequest, request: Request) -> dict[str, Any]:
+    async def session_step_batch(body: SessionStepBatchRequest, request: Request) -> Response:
         """Several steps and creates in one request; each result is a response or an error body, in order."""
         calls = []  # everything is validated before any work is submitted
         for i, item in enumerate(body.requests):
@@ -148,7 +149,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 results.append(error_body(status, str(out), type_=type(out).__name__))
             else:
                 results.append(to_response(*out))
-        return {"results": results}
+        return _json({"results": results})
 
     @app.delete("/compact_session/{session_id}", response_model=DeleteResponse)
     async def session_delete(session_id: str) -> dict[str, str]:
@@ -185,6 +186,12 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
     app.include_router(openai_router)
     return app
+
+
+def _json(body: dict[str, Any]) -> Response:
+    """A 200 whose body is serialised once here; the route's ``response_model`` documents it
+    (see :func:`~compaction_gym.servers.schemas.response_json`)."""
+    return Response(response_json(body), media_type="application/json")
 
 
 def _check_step(state: ServerState, body: SessionStepRequest, prefix: str) -> None:
