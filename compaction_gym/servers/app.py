@@ -28,6 +28,7 @@ from compaction_gym.engine.config import MAX_STOP_IDS
 from compaction_gym.errors import CompactionGymError
 from compaction_gym.servers.args import ServerArgs
 from compaction_gym.servers.errors import ClientDisconnected, error_body, status_of
+from compaction_gym.servers.fast_path import FastRoute, fast_routes, serve_fast
 from compaction_gym.servers.schemas import (
     CompactGenerateRequest,
     DeleteResponse,
@@ -75,7 +76,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
     app = FastAPI(title="compaction-gym", summary="Compacted KV-cache sessions over HTTP", lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(_ServerMiddleware, state=state)
+    fast: dict[tuple[str, str], FastRoute] = {}  # filled below, once the routes exist
+    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     _add_error_handlers(app, state)
 
     @app.post("/compact_generate", response_model=GenerateResponse)
@@ -185,6 +187,19 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     from compaction_gym.servers.openai_api import router as openai_router
 
     app.include_router(openai_router)
+    if args.fast_routes:
+        fast.update(
+            fast_routes(
+                app,
+                {
+                    "/compact_generate": (CompactGenerateRequest, compact_generate),
+                    "/inject_generate": (InjectGenerateRequest, inject_generate),
+                    "/compact_session/create": (SessionCreateRequest, session_create),
+                    "/compact_session/step": (SessionStepRequest, session_step),
+                    "/compact_session/step_batch": (SessionStepBatchRequest, session_step_batch),
+                },
+            )
+        )
     return app
 
 
@@ -248,14 +263,22 @@ class _BodyTooLarge(HTTPException):
 
 
 class _ServerMiddleware:
-    """Pure ASGI middleware: body-size limit (413) and per-route request count/latency metrics.
+    """Pure ASGI middleware: body-size limit (413), per-route request count/latency metrics, and
+    the fast path of the session routes (:mod:`compaction_gym.servers.fast_path`).
 
     Pure ASGI (not ``BaseHTTPMiddleware``) so that routes can still watch ``receive`` for the
     client's disconnect.
     """
 
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(
+        self,
+        app: Any,
+        state: ServerState,
+        fast: dict[tuple[str, str], FastRoute] | None = None,
+        handlers: dict[Any, Any] | None = None,
+    ) -> None:
         self.app, self.state = app, state
+        self.fast, self.handlers = fast or {}, handlers or {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -286,7 +309,11 @@ class _ServerMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            fast = self.fast.get((scope.get("method"), scope.get("path")))
+            if fast is None:
+                await self.app(scope, limited_receive, tracking_send)
+            else:
+                await serve_fast(self.app, self.handlers, fast, scope, limited_receive, tracking_send)
         except Exception as exc:  # noqa: BLE001  (the last stop before the ASGI server)
             # Starlette answers a 500 and then re-raises, and the ASGI server drops the client's
             # keep-alive connection: answer here and keep it (docs/server.md, "Errors").

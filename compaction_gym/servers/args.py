@@ -75,6 +75,14 @@ class ServerArgs:
             "a batch runs to completion before the next starts)"
         },
     )
+    fast_routes: bool = field(
+        default=True,
+        metadata={
+            "help": "serve valid requests to the session routes without FastAPI's per-request layers (same "
+            "responses, less CPU per request on the thread the engine worker shares; --no-fast-routes: "
+            "FastAPI serves every request)"
+        },
+    )
     round_steps: int | None = field(
         default=None,
         metadata={"help": "decode steps per request per round: new requests join at most this many tokens later "
