@@ -19,7 +19,10 @@ it. Every response is exactly ``--new-tokens`` tokens (``ignore_eos``; greedy, o
 ``--temperature`` with a seed per session), so every run does the same work. Each timed run
 follows an untimed run of the same shape (CUDA graphs, Triton kernels). Prints generated tokens/s,
 the ratios concurrent ÷ one by one and concurrent ÷ embedded (issue 28: ≥ 0.8 on a GPU),
-client-side p50/p99 step latency and the mean engine batch size from ``/metrics``.
+client-side p50/p99 step latency, the mean engine batch size from ``/metrics``, and CPU time per
+step request: the client's, the server process's, split into its HTTP side (every thread but the
+engine worker's, which names itself ``cg-engine``) and its engine thread, beside the embedded
+engine's thread (docs/server.md, "Performance").
 
 ``--model`` takes a path, a registered name, or a :data:`gpu_shapes.QWEN3_SHAPES` name
 (``qwen3-0.6b``): a random-weight model of that shape, saved with a small tokenizer to
@@ -319,23 +322,28 @@ def _server_stats(backend: HTTPBackend, pid: int) -> tuple[float, float, float, 
     if not pid:
         return *batch_stats(backend), 0.0, 0.0
     stats = batch_stats(backend)
-    return *stats, _process_cpu_s(pid), _http_cpu_s(pid)
+    threads = _thread_cpu_s(pid)
+    return *stats, sum(threads.values()), sum(t for (name, _), t in threads.items() if name != OS_THREAD_NAME)
 
 
-def _http_cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid``'s threads except the engine worker's (Linux ``/proc``; the
-    worker names its thread :data:`~compaction_gym.servers.worker.OS_THREAD_NAME`)."""
-    total = 0.0
+def _thread_cpu_s(pid: int) -> dict[tuple[str, str], float]:
+    """CPU seconds of each live thread of process ``pid``, by (name, thread id) (Linux ``/proc``:
+    ``schedstat``'s nanoseconds where the kernel keeps them, else ``stat``'s clock ticks)."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                name, rest = f.read().split("(", 1)[1].rsplit(")", 1)
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[name, tid] = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[name, tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:  # the thread ended meanwhile
             continue
-        if name != OS_THREAD_NAME:
-            fields = rest.split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return out
 
 
 def batch_stats(backend: HTTPBackend) -> tuple[float, float]:
@@ -394,14 +402,10 @@ def _client_proc(
         results.put({"error": traceback.format_exc()})
 
 
-def _process_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) of this process or of process ``pid`` (Linux)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _process_cpu_s() -> float:
+    """CPU seconds (user + system, all threads) of this process."""
+    t = os.times()
+    return t.user + t.system
 
 
 def measure(

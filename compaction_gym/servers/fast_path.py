@@ -8,9 +8,9 @@ solving, exception and exit-stack middlewares): it reads the body, parses it as 
 (``json.loads``) and validates it with the route's body model as FastAPI does
 (``validate_python(..., from_attributes=True)``), calls the route's own endpoint and sends its
 response. Errors raised by the endpoint go through the app's own exception handlers. Anything
-else (another content type, an empty or invalid body, a failed validation, a disconnect while
-the body arrives) is handed to the FastAPI app with the body replayed, so every error response
-is FastAPI's, byte for byte.
+else (another content type, an empty or invalid body, a failed validation, a disconnect or the
+size limit met while the body arrives) is handed to the FastAPI app with the body replayed (and
+the error, if reading it raised one), so every error response is FastAPI's, byte for byte.
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ async def serve_fast(
     messages: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     while True:
-        message = await receive()  # the middleware's receive: raises past the size limit
+        try:
+            message = await receive()  # the middleware's receive: raises past the size limit
+        except Exception as exc:  # FastAPI meets the same error at the same point of the body
+            await app(scope, _replay(messages, receive, exc), send)
+            return
         messages.append(message)
         if message["type"] != "http.request":  # disconnected while the body arrived
             await app(scope, _replay(messages, receive), send)
@@ -100,11 +104,19 @@ async def serve_fast(
     await response(scope, receive, send)
 
 
-def _replay(messages: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
-    """A ``receive`` that returns ``messages`` again, then reads on."""
+def _replay(
+    messages: list[dict[str, Any]], receive: Any, error: Exception | None = None
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A ``receive`` that returns ``messages`` again, then raises ``error`` once (if any), then reads on."""
     pending = list(messages)
 
     async def replayed() -> dict[str, Any]:
-        return pending.pop(0) if pending else await receive()
+        nonlocal error
+        if pending:
+            return pending.pop(0)
+        if error is not None:
+            exc, error = error, None
+            raise exc
+        return await receive()
 
     return replayed
