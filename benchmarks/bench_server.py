@@ -653,7 +653,7 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         f"prompt {args.prompt_len}, +{lo if lo == hi else f'{lo}-{hi}'} tokens/step, {args.new_tokens} new "
         f"tokens/response (temperature {args.temperature}), model {args.model or 'tiny random'}, device "
         f"{device_name(args.device)}, fast path {fast}, torch threads {args.threads or 'default'}, "
-        f"client processes {args.client_procs}"
+        f"client processes {args.client_procs}, HTTP stack {http_stack()}, fast routes {not args.no_fast_routes}"
     )
     print(
         f"{'run':<28} {'create tok/s':>12} {'step tokens':>11} {'wall s':>8} {'step tok/s':>10} "
@@ -689,6 +689,7 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         "same_tokens": same,
         "args": {**vars(args), "step_len": list(args.step_len)},
         "device_name": device_name(args.device),
+        "http_stack": http_stack(),
         "fast_path": fast,
         "ratio": ratio,
         "server_vs_embedded": vs_embedded,
@@ -705,6 +706,15 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
 def same_outputs(a: Run, b: Run) -> int:
     """Sessions whose stepped tokens are the same in runs ``a`` and ``b``."""
     return sum(a.outputs.get(k) == v for k, v in b.outputs.items())
+
+
+def http_stack() -> str:
+    """The event loop and HTTP parser uvicorn picks here (the server runs in this environment)."""
+    from importlib.util import find_spec
+
+    loop = "uvloop" if find_spec("uvloop") else "asyncio"
+    parser = "httptools" if find_spec("httptools") else "h11"
+    return f"{loop} + {parser}"
 
 
 def device_name(device: str) -> str:
