@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-fast-routes",
         action="store_true",
-        help="the server's --no-fast-routes: FastAPI serves every request (docs/server.md, \"Performance\")",
+        help='the server\'s --no-fast-routes: FastAPI serves every request (docs/server.md, "Performance")',
     )
     args = p.parse_args(argv)
     if args.sequential_steps is None:

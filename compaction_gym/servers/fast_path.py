@@ -40,8 +40,13 @@ class FastRoute:
 
 def fast_routes(app: Any, endpoints: dict[str, tuple[type, Endpoint]]) -> dict[tuple[str, str], FastRoute]:
     """``("POST", path) -> FastRoute`` for each ``path: (body model, endpoint)`` of ``app``."""
-    routes = {getattr(r, "path", None): r for r in app.routes if "POST" in (getattr(r, "methods", None) or ())}
-    return {("POST", path): FastRoute(TypeAdapter(model), fn, routes[path]) for path, (model, fn) in endpoints.items()}
+    routes = {
+        getattr(r, "path", None): r for r in app.routes if "POST" in (getattr(r, "methods", None) or ())
+    }
+    return {
+        ("POST", path): FastRoute(TypeAdapter(model), fn, routes[path])
+        for path, (model, fn) in endpoints.items()
+    }
 
 
 def _is_json(scope: dict[str, Any]) -> bool:

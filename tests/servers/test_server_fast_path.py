@@ -150,7 +150,9 @@ def test_every_case_answers_as_fastapi_does(pair):
     # the cases reach the answers they are named for (so the comparison covers each kind)
     assert statuses["valid step"] == statuses["create"] == statuses["batch"] == 200
     assert statuses["unknown session"] == 404 and statuses["malformed JSON"] == 400
-    assert statuses["too large, content-length"] == statuses["too large, chunked"] == 413, {k: statuses[k] for k in statuses if "large" in k}
+    assert statuses["too large, content-length"] == statuses["too large, chunked"] == 413, {
+        k: statuses[k] for k in statuses if "large" in k
+    }
     assert statuses["id outside the vocabulary"] == statuses["unknown field"] == 422
     assert statuses["create, duplicate id"] == statuses["create, unknown mode"] == 422
 
@@ -182,7 +184,12 @@ def test_random_steps_and_batches_answer_as_fastapi_does(pair, bodies):
     for body in bodies:
         _same(pair, "POST", "/compact_session/step", json=body)
     _same(pair, "POST", "/compact_session/step_batch", json={"requests": bodies})
-    _same(pair, "POST", "/compact_session/step", json={"session_id": "s", "new_token_ids": [4], "max_new_tokens": 3})
+    _same(
+        pair,
+        "POST",
+        "/compact_session/step",
+        json={"session_id": "s", "new_token_ids": [4], "max_new_tokens": 3},
+    )
 
 
 def test_request_metrics_count_the_same_routes(pair):
@@ -193,7 +200,11 @@ def test_request_metrics_count_the_same_routes(pair):
     _same(pair, "POST", "/compact_session/step", json={**STEP, "bogus": 1})
 
     def counts(client: httpx.Client) -> list[str]:
-        return sorted(line for line in client.get("/metrics").text.splitlines() if line.startswith("compaction_gym_requests_total"))
+        return sorted(
+            line
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("compaction_gym_requests_total")
+        )
 
     fast, reference = (counts(c) for c in pair)
     assert fast == reference and any('route="/compact_session/step"' in line for line in fast)
