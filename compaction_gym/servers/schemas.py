@@ -210,7 +210,9 @@ class InjectGenerateRequest(SamplingFields):
             InvalidArgumentError: the combination is invalid (the message names the field).
         """
         names = ("max_total_tokens", "inject_budget_every", "budget_message_template", "budget_message_frame")
-        return CompactionConfig(mode="none", **{n: getattr(self, n) for n in names if n in self.model_fields_set})
+        return CompactionConfig(
+            mode="none", **{n: getattr(self, n) for n in names if n in self.model_fields_set}
+        )
 
     def sampling(self) -> SamplingParams:
         overrides = self.sampling_overrides()
@@ -299,7 +301,9 @@ class GenerateResponse(BaseModel):
     final_text: str
     text: str = Field(description="decoded all_token_ids with special tokens kept")
     finish_reason: str
-    current_seq_len: int = Field(description="KV rows after the call (the original research API's name for kv_len)")
+    current_seq_len: int = Field(
+        description="KV rows after the call (the original research API's name for kv_len)"
+    )
     input_logprobs: list[float | None] | None = Field(
         None, description="with score_input: one log-prob per input token (null where none exists); else null"
     )

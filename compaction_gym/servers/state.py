@@ -124,7 +124,6 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-
 def _special_markers(tokenizer: Any, eos_token_ids: list[int]) -> tuple[str, ...]:
     """The BOS/EOS/pad token strings that :meth:`ServerState.final_text` removes (longest first)."""
     if tokenizer is None:

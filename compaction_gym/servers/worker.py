@@ -461,13 +461,19 @@ class EngineWorker:
                     self._fail(ready[index][0], exc)
                     ready = ready[:index] + ready[index + 1 :]
                     continue
-                logger.info("submission of %d rejected (%s); submitting its requests one by one", len(ready), exc)
+                logger.info(
+                    "submission of %d rejected (%s); submitting its requests one by one", len(ready), exc
+                )
                 for item in ready:
                     self._submit_batch([item])
                 return
             except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
                 index = getattr(exc, "request_index", None)
-                if getattr(exc, "batch_unchanged", False) and isinstance(index, int) and 0 <= index < len(ready):
+                if (
+                    getattr(exc, "batch_unchanged", False)
+                    and isinstance(index, int)
+                    and 0 <= index < len(ready)
+                ):
                     logger.warning("request %d of a batch failed before it ran: %r", index, exc)
                     self._fail(ready[index][0], exc)
                     ready = ready[:index] + ready[index + 1 :]
@@ -539,7 +545,11 @@ class EngineWorker:
         p = job.payload
         self._check_limits(p["sampling"] or SamplingParams(), p["prompt_ids"], "prompt_ids")
         return CreateRequest(
-            list(p["prompt_ids"]), p["config"], p["sampling"], p["session_id"], bool(p.get("score_input", False))
+            list(p["prompt_ids"]),
+            p["config"],
+            p["sampling"],
+            p["session_id"],
+            bool(p.get("score_input", False)),
         )
 
     def _prepare_step(self, job: _Job) -> StepRequest:
@@ -553,7 +563,11 @@ class EngineWorker:
             sampling = self.engine.session(sid).sampling.replace(**overrides)
         self._check_limits(sampling, p["new_ids"], "new_token_ids")
         return StepRequest(
-            sid, list(p["new_ids"]), sampling, bool(p.get("response_complete", False)), bool(p.get("score_input", False))
+            sid,
+            list(p["new_ids"]),
+            sampling,
+            bool(p.get("response_complete", False)),
+            bool(p.get("score_input", False)),
         )
 
     def _check_limits(self, sampling: SamplingParams | None, ids: list[int], ids_field: str) -> None:
