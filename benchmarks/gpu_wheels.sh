@@ -3,7 +3,7 @@
 # machine's Python (3.12, x86_64) may lack, into .whlS/ (git-ignored; carry it: `carry: [".whlS"]`).
 # Run here, from the repository root, where PyPI is reachable:
 #
-#   bash benchmarks/gpu_wheels.sh          # ~8.6 MB, 22 wheels (keep .whlS under 9 MB: it is carried)
+#   bash benchmarks/gpu_wheels.sh          # 22 wheels, 8.9 MB (du -sh; keep .whlS under 9 MB: it is carried)
 #
 # Assumed present there: torch, transformers, numpy, safetensors, tokenizers and what they require.
 # Everything else the server imports is listed: the HTTP stack (fastapi + opentelemetry-api, which
