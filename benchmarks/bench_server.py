@@ -19,7 +19,10 @@ it. Every response is exactly ``--new-tokens`` tokens (``ignore_eos``; greedy, o
 ``--temperature`` with a seed per session), so every run does the same work. Each timed run
 follows an untimed run of the same shape (CUDA graphs, Triton kernels). Prints generated tokens/s,
 the ratios concurrent ÷ one by one and concurrent ÷ embedded (issue 28: ≥ 0.8 on a GPU),
-client-side p50/p99 step latency and the mean engine batch size from ``/metrics``.
+client-side p50/p99 step latency, the mean engine batch size from ``/metrics``, and CPU time per
+step request: the client's, the server process's, split into its HTTP side (every thread but the
+engine worker's, which names itself ``cg-engine``) and its engine thread, beside the embedded
+engine's thread (docs/server.md, "Performance").
 
 ``--model`` takes a path, a registered name, or a :data:`gpu_shapes.QWEN3_SHAPES` name
 (``qwen3-0.6b``): a random-weight model of that shape, saved with a small tokenizer to
@@ -64,6 +67,7 @@ import httpx
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.servers.http_backend import HTTPBackend
+from compaction_gym.servers.worker import OS_THREAD_NAME
 
 # gpu_shapes beside this file, also when `compaction-gym bench server` runs it
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +86,8 @@ class Run:
     batch_mean: float = float("nan")  # requests per engine batch while stepping (server runs)
     client_cpu_ms: float = float("nan")  # client CPU time per step request (server runs)
     server_cpu_ms: float = float("nan")  # server process CPU time per step request (server runs)
+    server_http_cpu_ms: float = float("nan")  # of which outside the engine worker thread (HTTP side)
+    engine_cpu_ms: float = float("nan")  # CPU time of the thread driving the engine, per step request
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,6 +111,8 @@ class Run:
             "mean_batch": self.batch_mean,
             "client_cpu_ms_per_step": self.client_cpu_ms,
             "server_cpu_ms_per_step": self.server_cpu_ms,
+            "server_http_cpu_ms_per_step": self.server_http_cpu_ms,
+            "engine_thread_cpu_ms_per_step": self.engine_cpu_ms,
         }
 
 
@@ -180,6 +188,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--round-steps", type=int, default=None, help="the server's --round-steps (default: its own)"
     )
+    p.add_argument(
+        "--no-fast-routes",
+        action="store_true",
+        help='the server\'s --no-fast-routes: FastAPI serves every request (docs/server.md, "Performance")',
+    )
     args = p.parse_args(argv)
     if args.sequential_steps is None:
         args.sequential_steps = args.steps
@@ -227,6 +240,8 @@ def start_server(
         cmd += ["--max-batch-wait-ms", str(args.max_batch_wait_ms)]
     if getattr(args, "round_steps", None) is not None:
         cmd += ["--round-steps", str(args.round_steps)]
+    if getattr(args, "no_fast_routes", False):
+        cmd += ["--no-fast-routes"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd + list(extra))
     url = f"http://127.0.0.1:{port}"
@@ -301,9 +316,34 @@ def step_all(
     return tokens
 
 
-def _server_stats(backend: HTTPBackend, pid: int) -> tuple[float, float, float]:
-    """The batch-size histogram's (sum, count) and the server process's CPU seconds (0 without ``pid``)."""
-    return *batch_stats(backend), (_process_cpu_s(pid) if pid else 0.0)
+def _server_stats(backend: HTTPBackend, pid: int) -> tuple[float, float, float, float]:
+    """The batch-size histogram's (sum, count), the server process's CPU seconds and those of its
+    threads other than the engine worker (the HTTP side: event loop, ...); 0 without ``pid``."""
+    if not pid:
+        return *batch_stats(backend), 0.0, 0.0
+    stats = batch_stats(backend)
+    threads = _thread_cpu_s(pid)
+    return *stats, sum(threads.values()), sum(t for (name, _), t in threads.items() if name != OS_THREAD_NAME)
+
+
+def _thread_cpu_s(pid: int) -> dict[tuple[str, str], float]:
+    """CPU seconds of each live thread of process ``pid``, by (name, thread id) (Linux ``/proc``:
+    ``schedstat``'s nanoseconds where the kernel keeps them, else ``stat``'s clock ticks)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[name, tid] = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[name, tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
 
 
 def batch_stats(backend: HTTPBackend) -> tuple[float, float]:
@@ -362,14 +402,10 @@ def _client_proc(
         results.put({"error": traceback.format_exc()})
 
 
-def _process_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) of this process or of process ``pid`` (Linux)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _process_cpu_s() -> float:
+    """CPU seconds (user + system, all threads) of this process."""
+    t = os.times()
+    return t.user + t.system
 
 
 def measure(
@@ -390,7 +426,7 @@ def measure(
     ks = list(range(args.sessions))
     procs = args.client_procs if concurrent else 1
     with HTTPBackend(url) as probe:
-        stats: list[tuple[float, float, float]] = []
+        stats: list[tuple[float, float, float, float]] = []
         if procs == 1:
             calls = iter(range(3))
             sync = lambda: stats.append(_server_stats(probe, server_pid)) if next(calls) == 2 else None  # noqa: E731
@@ -419,18 +455,20 @@ def measure(
             errors = [r["error"] for r in parts if "error" in r]
             if errors:
                 raise SystemExit("a client process failed:\n" + errors[0])
-        s1, c1, cpu1 = _server_stats(probe, server_pid)
+        s1, c1, cpu1, http1 = _server_stats(probe, server_pid)
     run.create_wall_s = max(r["create_t1"] for r in parts) - min(r["create_t0"] for r in parts)
     run.wall_s = max(r["step_t1"] for r in parts) - min(r["step_t0"] for r in parts)
     run.create_tokens = sum(r["create_tokens"] for r in parts)
     run.outputs = {k: v for r in parts for k, v in r["outputs"].items()}
     run.tokens = sum(len(v) for v in run.outputs.values())
     run.step_latencies = [x for r in parts for x in r["latencies"]]
-    s0, c0, cpu0 = stats[0]
+    s0, c0, cpu0, http0 = stats[0]
     run.batch_mean = (s1 - s0) / max(1.0, c1 - c0)
     requests = max(1, len(run.step_latencies))
     run.client_cpu_ms = sum(r["step_cpu_s"] for r in parts) / requests * 1000
     run.server_cpu_ms = (cpu1 - cpu0) / requests * 1000 if server_pid else float("nan")
+    run.server_http_cpu_ms = (http1 - http0) / requests * 1000 if server_pid else float("nan")
+    run.engine_cpu_ms = run.server_cpu_ms - run.server_http_cpu_ms
     return run
 
 
@@ -486,7 +524,7 @@ def _embedded(args: argparse.Namespace, model: str) -> tuple[Run, Run, bool]:
             sum(len(r.token_ids) for r in results),
         )
         sids = [r.session_id for r in results]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         for i in range(steps):
             reqs = [StepRequest(sid, inp[1][i]) for sid, inp in zip(sids, inputs)]
             if batched:
@@ -504,6 +542,7 @@ def _embedded(args: argparse.Namespace, model: str) -> tuple[Run, Run, bool]:
             run.tokens += sum(len(r.token_ids) for r in results)
         sync()
         run.wall_s = time.perf_counter() - t0
+        run.engine_cpu_ms = (time.thread_time() - cpu0) / max(1, len(run.step_latencies)) * 1000
         for sid in sids:
             engine.close(sid)
         return run
@@ -614,18 +653,20 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         f"prompt {args.prompt_len}, +{lo if lo == hi else f'{lo}-{hi}'} tokens/step, {args.new_tokens} new "
         f"tokens/response (temperature {args.temperature}), model {args.model or 'tiny random'}, device "
         f"{device_name(args.device)}, fast path {fast}, torch threads {args.threads or 'default'}, "
-        f"client processes {args.client_procs}"
+        f"client processes {args.client_procs}, HTTP stack {http_stack()}, fast routes {not args.no_fast_routes}"
     )
     print(
         f"{'run':<28} {'create tok/s':>12} {'step tokens':>11} {'wall s':>8} {'step tok/s':>10} "
-        f"{'p50 step ms':>12} {'p99 step ms':>12} {'mean batch':>11} {'CPU ms/step: client':>20} {'server':>7}"
+        f"{'p50 step ms':>12} {'p99 step ms':>12} {'mean batch':>11} {'CPU ms/step: client':>20} {'server':>7} "
+        f"{'HTTP side':>9} {'engine thread':>13}"
     )
     rows = {"server, one by one": sequential, "server, concurrent": concurrent}
     rows |= {"embedded, one by one": single, "embedded, step_batch of all": batched}
     for name, r in rows.items():
         print(
             f"{name:<28} {r.create_tokens_per_s:>12.1f} {r.tokens:>11} {r.wall_s:>8.2f} {r.tokens_per_s:>10.1f} "
-            f"{r.pct(50):>12.1f} {r.pct(99):>12.1f} {r.batch_mean:>11.1f} {r.client_cpu_ms:>20.2f} {r.server_cpu_ms:>7.2f}"
+            f"{r.pct(50):>12.1f} {r.pct(99):>12.1f} {r.batch_mean:>11.1f} {r.client_cpu_ms:>20.2f} {r.server_cpu_ms:>7.2f} "
+            f"{r.server_http_cpu_ms:>9.2f} {r.engine_cpu_ms:>13.2f}"
         )
     print(f"stepping throughput ratio (server concurrent / server one by one): {ratio:.2f}x")
     print(f"server concurrent / embedded step_batch (issue 28 target >= 0.80): {vs_embedded:.2f}")
@@ -648,6 +689,7 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
         "same_tokens": same,
         "args": {**vars(args), "step_len": list(args.step_len)},
         "device_name": device_name(args.device),
+        "http_stack": http_stack(),
         "fast_path": fast,
         "ratio": ratio,
         "server_vs_embedded": vs_embedded,
@@ -664,6 +706,15 @@ def throughput(args: argparse.Namespace, model: str) -> dict:
 def same_outputs(a: Run, b: Run) -> int:
     """Sessions whose stepped tokens are the same in runs ``a`` and ``b``."""
     return sum(a.outputs.get(k) == v for k, v in b.outputs.items())
+
+
+def http_stack() -> str:
+    """The event loop and HTTP parser uvicorn picks here (the server runs in this environment)."""
+    from importlib.util import find_spec
+
+    loop = "uvloop" if find_spec("uvloop") else "asyncio"
+    parser = "httptools" if find_spec("httptools") else "h11"
+    return f"{loop} + {parser}"
 
 
 def device_name(device: str) -> str:

@@ -15,6 +15,8 @@
 # logs and JSON land in OUT_DIR (server_throughput.{log,json}, server_hol.{log,json}).
 # Needs the wheels of benchmarks/gpu_wheels.sh in .whlS/ (carried: `carry: [".whlS"]`); without
 # .whlS the machine's own packages are used. Expected wall time on an H100: ~5-6 minutes.
+# PARTS (default "throughput hol") picks the parts: PARTS=throughput EXTRA=--no-fast-routes measures the
+# server without its fast path (docs/server.md, "Performance") in a second call.
 # DEVICE (default cuda) and EXTRA (flags appended to both parts, overriding the ones above) are for
 # smoke tests on a CPU: DEVICE=cpu EXTRA="--sessions 2 --client-procs 2 --steps 1 ..." (WHEELS, SITE:
 # the wheel folder and where it is installed, default .whlS and /tmp/site).
@@ -39,14 +41,20 @@ stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 python3 -c "import torch, transformers, fastapi, uvicorn, httpx, compaction_gym.servers.app; \
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '', \
 'transformers', transformers.__version__)" || exit 1
+python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
+  || echo "uvloop/httptools missing: uvicorn falls back to asyncio + h11 (run benchmarks/gpu_wheels.sh)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 B="python3 benchmarks/bench_server.py --model $MODEL --model-dir /tmp/cg-$MODEL --device $DEVICE"
+PARTS=${PARTS:-throughput hol}
+if [[ " $PARTS " == *" throughput "* ]]; then
 stamp "throughput"
 timeout -k 15 "$T1" $B --sessions 64 --client-procs 8 --prompt-len 200 --step-len 50-70 --new-tokens 32 \
   --steps 12 --sequential-steps 1 --temperature 0.7 --server-start-s 240 --json "$O/server_throughput.json" \
   $EXTRA >"$O/server_throughput.log" 2>&1
 stamp "throughput exit $?"
 grep -v "it/s\]" "$O/server_throughput.log" | tail -14
+fi
+[[ " $PARTS " == *" hol "* ]] || exit 0
 stamp "head-of-line"
 timeout -k 15 "$T2" $B --scenario head-of-line --probes 16 --long-tokens 1000 --server-start-s 120 \
   --json "$O/server_hol.json" $EXTRA >"$O/server_hol.log" 2>&1

@@ -28,6 +28,7 @@ from compaction_gym.engine.config import MAX_STOP_IDS
 from compaction_gym.errors import CompactionGymError
 from compaction_gym.servers.args import ServerArgs
 from compaction_gym.servers.errors import ClientDisconnected, error_body, status_of
+from compaction_gym.servers.fast_path import FastRoute, fast_routes, serve_fast
 from compaction_gym.servers.schemas import (
     CompactGenerateRequest,
     DeleteResponse,
@@ -38,6 +39,7 @@ from compaction_gym.servers.schemas import (
     SessionStepBatchRequest,
     SessionStepRequest,
     StepBatchResponse,
+    response_json,
     to_response,
 )
 from compaction_gym.servers.state import ServerState, unless_disconnected
@@ -74,21 +76,22 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
     app = FastAPI(title="compaction-gym", summary="Compacted KV-cache sessions over HTTP", lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(_ServerMiddleware, state=state)
+    fast: dict[tuple[str, str], FastRoute] = {}  # filled below, once the routes exist
+    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     _add_error_handlers(app, state)
 
     @app.post("/compact_generate", response_model=GenerateResponse)
-    async def compact_generate(body: CompactGenerateRequest, request: Request) -> dict[str, Any]:
+    async def compact_generate(body: CompactGenerateRequest, request: Request) -> Response:
         """One prompt, compacted mid-generation; no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/inject_generate", response_model=GenerateResponse)
-    async def inject_generate(body: InjectGenerateRequest, request: Request) -> dict[str, Any]:
+    async def inject_generate(body: InjectGenerateRequest, request: Request) -> Response:
         """One prompt, no compaction, the budget message fed every ``inject_budget_every`` sampled
         tokens (mask 0, log-prob 0); no session is kept."""
         state.check_ids("prompt_ids", body.prompt_ids)
@@ -96,10 +99,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
         config, sampling = body.compaction_config(), body.sampling()
         work = state.worker.create(body.prompt_ids, config, sampling, ephemeral=True)
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/create", response_model=GenerateResponse)
-    async def session_create(body: SessionCreateRequest, request: Request) -> dict[str, Any]:
+    async def session_create(body: SessionCreateRequest, request: Request) -> Response:
         """Prefill ``prompt_ids`` into a new session and generate its first response."""
         state.check_ids("prompt_ids", body.prompt_ids)
         state.check_ids("stop_token_ids", body.stop_token_ids, limit=MAX_STOP_IDS)
@@ -108,10 +111,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             body.prompt_ids, config, sampling, session_id=body.session_id, score_input=body.score_input
         )
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/step", response_model=GenerateResponse)
-    async def session_step(body: SessionStepRequest, request: Request) -> dict[str, Any]:
+    async def session_step(body: SessionStepRequest, request: Request) -> Response:
         """Feed ``new_token_ids`` into a session, then generate (batched with concurrent steps)."""
         _check_step(state, body, "")
         work = state.worker.step(
@@ -122,10 +125,10 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
             score_input=body.score_input,
         )
         result, text, info = await unless_disconnected(request, work)
-        return to_response(result, text, info)
+        return _json(to_response(result, text, info))
 
     @app.post("/compact_session/step_batch", response_model=StepBatchResponse)
-    async def session_step_batch(body: SessionStepBatchRequest, request: Request) -> dict[str, Any]:
+    async def session_step_batch(body: SessionStepBatchRequest, request: Request) -> Response:
         """Several steps and creates in one request; each result is a response or an error body, in order."""
         calls = []  # everything is validated before any work is submitted
         for i, item in enumerate(body.requests):
@@ -133,7 +136,13 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 state.check_ids(f"requests.{i}.prompt_ids", item.prompt_ids)
                 state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=MAX_STOP_IDS)
                 args = (item.prompt_ids, item.compaction_config(), item.sampling())
-                calls.append((state.worker.create, args, {"session_id": item.session_id, "score_input": item.score_input}))
+                calls.append(
+                    (
+                        state.worker.create,
+                        args,
+                        {"session_id": item.session_id, "score_input": item.score_input},
+                    )
+                )
             else:
                 _check_step(state, item, f"requests.{i}.")
                 args = (item.session_id, item.new_token_ids, item.sampling_overrides())
@@ -148,7 +157,7 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 results.append(error_body(status, str(out), type_=type(out).__name__))
             else:
                 results.append(to_response(*out))
-        return {"results": results}
+        return _json({"results": results})
 
     @app.delete("/compact_session/{session_id}", response_model=DeleteResponse)
     async def session_delete(session_id: str) -> dict[str, str]:
@@ -184,7 +193,26 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     from compaction_gym.servers.openai_api import router as openai_router
 
     app.include_router(openai_router)
+    if args.fast_routes:
+        fast.update(
+            fast_routes(
+                app,
+                {
+                    "/compact_generate": (CompactGenerateRequest, compact_generate),
+                    "/inject_generate": (InjectGenerateRequest, inject_generate),
+                    "/compact_session/create": (SessionCreateRequest, session_create),
+                    "/compact_session/step": (SessionStepRequest, session_step),
+                    "/compact_session/step_batch": (SessionStepBatchRequest, session_step_batch),
+                },
+            )
+        )
     return app
+
+
+def _json(body: dict[str, Any]) -> Response:
+    """A 200 whose body is serialised once here; the route's ``response_model`` documents it
+    (see :func:`~compaction_gym.servers.schemas.response_json`)."""
+    return Response(response_json(body), media_type="application/json")
 
 
 def _check_step(state: ServerState, body: SessionStepRequest, prefix: str) -> None:
@@ -232,7 +260,6 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return respond(422, str(exc), "InvalidArgumentError")
 
 
-
 class _BodyTooLarge(HTTPException):
     """Raised from ``receive`` when a chunked body passes the limit (FastAPI re-raises HTTPException)."""
 
@@ -241,14 +268,22 @@ class _BodyTooLarge(HTTPException):
 
 
 class _ServerMiddleware:
-    """Pure ASGI middleware: body-size limit (413) and per-route request count/latency metrics.
+    """Pure ASGI middleware: body-size limit (413), per-route request count/latency metrics, and
+    the fast path of the session routes (:mod:`compaction_gym.servers.fast_path`).
 
     Pure ASGI (not ``BaseHTTPMiddleware``) so that routes can still watch ``receive`` for the
     client's disconnect.
     """
 
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(
+        self,
+        app: Any,
+        state: ServerState,
+        fast: dict[tuple[str, str], FastRoute] | None = None,
+        handlers: dict[Any, Any] | None = None,
+    ) -> None:
         self.app, self.state = app, state
+        self.fast, self.handlers = fast or {}, handlers or {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -279,7 +314,11 @@ class _ServerMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            fast = self.fast.get((scope.get("method"), scope.get("path")))
+            if fast is None:
+                await self.app(scope, limited_receive, tracking_send)
+            else:
+                await serve_fast(self.app, self.handlers, fast, scope, limited_receive, tracking_send)
         except Exception as exc:  # noqa: BLE001  (the last stop before the ASGI server)
             # Starlette answers a 500 and then re-raises, and the ASGI server drops the client's
             # keep-alive connection: answer here and keep it (docs/server.md, "Errors").

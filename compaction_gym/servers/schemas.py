@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from compaction_gym.engine.config import (
@@ -209,7 +210,9 @@ class InjectGenerateRequest(SamplingFields):
             InvalidArgumentError: the combination is invalid (the message names the field).
         """
         names = ("max_total_tokens", "inject_budget_every", "budget_message_template", "budget_message_frame")
-        return CompactionConfig(mode="none", **{n: getattr(self, n) for n in names if n in self.model_fields_set})
+        return CompactionConfig(
+            mode="none", **{n: getattr(self, n) for n in names if n in self.model_fields_set}
+        )
 
     def sampling(self) -> SamplingParams:
         overrides = self.sampling_overrides()
@@ -298,7 +301,9 @@ class GenerateResponse(BaseModel):
     final_text: str
     text: str = Field(description="decoded all_token_ids with special tokens kept")
     finish_reason: str
-    current_seq_len: int = Field(description="KV rows after the call (the original research API's name for kv_len)")
+    current_seq_len: int = Field(
+        description="KV rows after the call (the original research API's name for kv_len)"
+    )
     input_logprobs: list[float | None] | None = Field(
         None, description="with score_input: one log-prob per input token (null where none exists); else null"
     )
@@ -346,30 +351,46 @@ def segment_boundaries(result: StepResult) -> list[int]:
 def to_response(
     result: StepResult, final_text: str, server: dict[str, float] | None = None
 ) -> dict[str, Any]:
-    """Serialise a StepResult into the wire shape of :class:`GenerateResponse`."""
+    """Serialise a StepResult into the wire shape of :class:`GenerateResponse`.
+
+    Values carry the schema's types (ints where it says int, floats where it says float), so
+    :func:`response_json` writes what validating against the response model would.
+    """
     return {
         "session_id": result.session_id,
-        "all_token_ids": list(result.token_ids),
-        "all_logprobs": list(result.logprobs),
-        "completion_mask": list(result.completion_mask),
+        "all_token_ids": [int(t) for t in result.token_ids],
+        "all_logprobs": [float(x) for x in result.logprobs],
+        "completion_mask": [int(m) for m in result.completion_mask],
         "final_text": final_text,
         "text": result.text,
         "finish_reason": result.finish_reason,
-        "current_seq_len": result.kv_len,
-        "input_logprobs": None if result.input_logprobs is None else list(result.input_logprobs),
-        "input_entropies": None if result.input_entropies is None else list(result.input_entropies),
+        "current_seq_len": int(result.kv_len),
+        "input_logprobs": _optional_floats(result.input_logprobs),
+        "input_entropies": _optional_floats(result.input_entropies),
         "diagnostics": {
-            "prompt_len": result.prompt_len,
-            "total_tokens": result.total_tokens,
-            "kv_len": result.kv_len,
+            "prompt_len": int(result.prompt_len),
+            "total_tokens": int(result.total_tokens),
+            "kv_len": int(result.kv_len),
             "finish_reason": result.finish_reason,
             "compaction_events": [e.to_dict() for e in result.events],
             "segment_boundaries": segment_boundaries(result),
-            "inject_ranges": [list(r) for r in result.inject_ranges],
-            "timings": dict(result.timings),
-            "server": dict(server or {}),
+            "inject_ranges": [[int(a), int(b)] for a, b in result.inject_ranges],
+            "timings": {str(k): float(v) for k, v in result.timings.items()},
+            "server": {str(k): float(v) for k, v in (server or {}).items()},
         },
     }
+
+
+def _optional_floats(xs: list[float | None] | None) -> list[float | None] | None:
+    return None if xs is None else [None if x is None else float(x) for x in xs]
+
+
+def response_json(body: Any) -> bytes:
+    """``body`` as the JSON bytes FastAPI writes for a response model (non-finite floats as
+    ``null``), without validating it again: the routes return these bytes themselves, since
+    validating and serialising every response through the model cost the event loop, which
+    shares the GIL with the engine worker, time on each request (docs/server.md, "Performance")."""
+    return pydantic_core.to_json(body, inf_nan_mode="null")
 
 
 def from_response(data: dict[str, Any]) -> StepResult:

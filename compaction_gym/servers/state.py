@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from compaction_gym.engine.types import StepResult
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.servers.args import ServerArgs
 from compaction_gym.servers.errors import ClientDisconnected
@@ -34,6 +35,7 @@ class ServerState:
         self.capacity = int(engine.capacity)
         self.max_slots = int(engine.max_slots)
         self.eos_token_ids = [int(t) for t in getattr(engine, "eos_token_ids", ()) or ()]
+        self._markers = _special_markers(self.tokenizer, self.eos_token_ids)
         self.started = time.time()
         self.worker = EngineWorker(
             engine,
@@ -42,7 +44,7 @@ class ServerState:
             max_batch_size=args.max_batch_size or self.max_slots,
             session_ttl_s=args.session_ttl_s,
             metrics=self.metrics,
-            decode=self.final_text,
+            final_text=self.final_text,
             continuous=args.continuous_batching,
             max_steps=args.round_steps,
             max_new_tokens_limit=args.max_new_tokens_limit,
@@ -50,18 +52,15 @@ class ServerState:
             max_queue_s=args.max_queue_s,
         )
 
-    def final_text(self, token_ids: list[int]) -> str:
-        """Decoded response text without BOS/EOS/pad markers (other special tokens are kept)."""
-        if self.tokenizer is None:
-            return ""
-        with self.tokenizer_lock:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-            markers = {getattr(self.tokenizer, a, None) for a in ("bos_token", "eos_token", "pad_token")}
-            for tid in self.eos_token_ids:
-                markers.add(self.tokenizer.convert_ids_to_tokens(tid))
-        for m in markers:
-            if isinstance(m, str) and m:
-                text = text.replace(m, "")
+    def final_text(self, result: StepResult) -> str:
+        """The response text without BOS/EOS/pad markers (other special tokens are kept).
+
+        ``result.text`` is the engine's decode of ``result.token_ids`` with special tokens kept,
+        so only the markers are removed here: no second decode on the worker thread.
+        """
+        text = result.text
+        for marker in self._markers:
+            text = text.replace(marker, "")
         return text
 
     def check_ids(self, name: str, ids: list[int], *, limit: int | None = None) -> None:
@@ -88,19 +87,33 @@ class FieldError(InvalidArgumentError):
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first (which frees its engine work)."""
-    task = asyncio.ensure_future(work)
+    """Await ``work``, cancelling it if the client disconnects first (which frees its engine work).
+
+    ``work`` runs in the calling task (no task of its own); a watcher task cancels the caller
+    when the ASGI server reports the disconnect, and the cancellation becomes
+    :class:`ClientDisconnected`.
+    """
+    caller = asyncio.current_task()
+    assert caller is not None, "unless_disconnected runs inside a task"
+    state = {"awaiting": True, "disconnected": False}
+
+    def on_watcher_done(w: asyncio.Future) -> None:
+        if state["awaiting"] and not w.cancelled():  # a callback run after the work ended is ignored
+            state["disconnected"] = True
+            caller.cancel()
+
     watcher = asyncio.ensure_future(_disconnected(request))
+    watcher.add_done_callback(on_watcher_done)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if state["disconnected"]:
+            caller.uncancel()  # this task was cancelled for the disconnect only
+            raise ClientDisconnected("client disconnected") from None
+        raise
     finally:
+        state["awaiting"] = False
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientDisconnected("client disconnected")
 
 
 async def _disconnected(request: Request) -> None:
@@ -110,6 +123,16 @@ async def _disconnected(request: Request) -> None:
         if message["type"] == "http.disconnect":
             return
 
+
+def _special_markers(tokenizer: Any, eos_token_ids: list[int]) -> tuple[str, ...]:
+    """The BOS/EOS/pad token strings that :meth:`ServerState.final_text` removes (longest first)."""
+    if tokenizer is None:
+        return ()
+    markers = {getattr(tokenizer, a, None) for a in ("bos_token", "eos_token", "pad_token")}
+    for tid in eos_token_ids:
+        with contextlib.suppress(Exception):  # an id beyond the tokenizer's vocabulary has no string
+            markers.add(tokenizer.convert_ids_to_tokens(tid))
+    return tuple(sorted((m for m in markers if isinstance(m, str) and m), key=lambda m: (-len(m), m)))
 
 
 def _model_name(engine: Any) -> str:

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 JobKind = Literal["create", "step", "call"]
 _SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _STOP = object()  # queue sentinel: finish and exit
+OS_THREAD_NAME = "cg-engine"  # the worker thread's name in top -H, /proc/PID/task/TID/comm, py-spy
 _EXPIRED_MEMORY = 4096  # how many expired ids we remember, to say "expired" instead of "unknown"
 
 
@@ -54,6 +55,8 @@ class _Job:
     finished: bool = False  # the worker has set the result (under ``lock``)
     abandoned: bool = False  # the caller went away (under ``lock``)
     batch_size: int = 0  # requests admitted with it (one ``Engine.submit``)
+    loop: asyncio.AbstractEventLoop | None = None  # the caller's event loop
+    waiter: asyncio.Future | None = None  # what the caller awaits on that loop (set by :func:`_resolve`)
 
 
 class EngineWorker:
@@ -67,7 +70,8 @@ class EngineWorker:
         max_batch_size: most requests per ``step_batch`` (default: ``engine.max_slots``).
         session_ttl_s: close sessions created here after this long idle (``None``: never).
         metrics: where to record batches, tokens, events and sessions.
-        decode: ``token_ids -> final_text``; run on the worker thread after each request.
+        final_text: ``result -> final_text`` (the response text without BOS/EOS markers); run on
+            the worker thread after each request.
         continuous: admit new requests into running work at every round (``False``: the former
             one-shot batching, kept for comparison: a batch is admitted only once nothing runs and
             answered when all of it is done).
@@ -87,7 +91,7 @@ class EngineWorker:
         max_batch_size: int | None = None,
         session_ttl_s: float | None = None,
         metrics: Metrics | None = None,
-        decode: Callable[[list[int]], str] | None = None,
+        final_text: Callable[[StepResult], str] | None = None,
         continuous: bool = True,
         max_steps: int | None = None,
         max_new_tokens_limit: int | None = None,
@@ -100,7 +104,7 @@ class EngineWorker:
         self.max_batch_size = max_batch_size or int(engine.max_slots)
         self.session_ttl_s = session_ttl_s
         self.metrics = metrics or Metrics()
-        self.decode = decode or (lambda ids: "")
+        self.final_text = final_text or (lambda result: "")
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # _Job or _STOP
         self.continuous, self.max_steps = continuous, max_steps
         self.max_new_tokens_limit, self.max_prompt_tokens = max_new_tokens_limit, max_prompt_tokens
@@ -115,6 +119,7 @@ class EngineWorker:
         self._last_used: dict[str, float] = {}  # sessions created through this worker
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._pending = 0
+        self._settled: list[_Job] = []  # jobs whose future was set, not yet handed to their loop
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -205,13 +210,16 @@ class EngineWorker:
     async def _submit(self, job: _Job) -> Any:
         if self._thread is None or self._stopping:
             raise RuntimeError("the engine worker is not running")
+        job.loop = asyncio.get_running_loop()
+        job.waiter = job.loop.create_future()
         with self._pending_lock:
             self._pending += 1
         self.metrics.queue_depth.set(self._pending)
         self._queue.put(job)
         try:
-            return await asyncio.wrap_future(job.future)
+            return await job.waiter
         except asyncio.CancelledError:
+            job.future.cancel()  # succeeds only while queued: the job never runs
             # The caller went away. A queued job was cancelled with the future (never runs); a job
             # that already ran or is running has its work undone by whoever sees it last.
             with job.lock:
@@ -224,13 +232,33 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ worker thread
     def _loop(self) -> None:
+        _name_os_thread(OS_THREAD_NAME)
         while True:
             try:
                 if not self._iteration():
                     break
             except Exception:  # noqa: BLE001 - a bug here must not leave the server without a worker
                 logger.exception("engine worker iteration failed; continuing")
-        self._drain()
+            finally:
+                self._hand_over()
+        try:
+            self._drain()
+        finally:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Pass the settled jobs to their callers' event loops: one wake-up per loop for all of
+        them, not one per job (each is a write to the loop's self-pipe, made on this thread)."""
+        if not self._settled:
+            return
+        settled, self._settled = self._settled, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+        for job in settled:
+            if job.loop is not None:
+                by_loop.setdefault(job.loop, []).append(job)
+        for loop, jobs in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody awaits these jobs
+                loop.call_soon_threadsafe(_resolve, jobs)
 
     def _iteration(self) -> bool:
         """One round boundary: take new jobs, admit those that may join, run one decode round.
@@ -258,6 +286,7 @@ class EngineWorker:
             self._sweep_expired()
         self._cancel_abandoned()
         self._admit()
+        self._hand_over()  # calls and refused requests are answered before the round runs
         if self._running:
             self._round()
         return True
@@ -324,10 +353,12 @@ class EngineWorker:
         for job in self._waiting:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("the server is shutting down"))
+                self._settled.append(job)
         self._waiting.clear()
         while self._running:
             self._cancel_abandoned()
             self._round()
+            self._hand_over()
 
     def _drain(self) -> None:
         self._shutdown()
@@ -338,6 +369,7 @@ class EngineWorker:
                 return
             if job is not _STOP and job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("the server is shutting down"))
+                self._settled.append(job)
 
     def _run_call(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -429,13 +461,19 @@ class EngineWorker:
                     self._fail(ready[index][0], exc)
                     ready = ready[:index] + ready[index + 1 :]
                     continue
-                logger.info("submission of %d rejected (%s); submitting its requests one by one", len(ready), exc)
+                logger.info(
+                    "submission of %d rejected (%s); submitting its requests one by one", len(ready), exc
+                )
                 for item in ready:
                     self._submit_batch([item])
                 return
             except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
                 index = getattr(exc, "request_index", None)
-                if getattr(exc, "batch_unchanged", False) and isinstance(index, int) and 0 <= index < len(ready):
+                if (
+                    getattr(exc, "batch_unchanged", False)
+                    and isinstance(index, int)
+                    and 0 <= index < len(ready)
+                ):
                     logger.warning("request %d of a batch failed before it ran: %r", index, exc)
                     self._fail(ready[index][0], exc)
                     ready = ready[:index] + ready[index + 1 :]
@@ -507,7 +545,11 @@ class EngineWorker:
         p = job.payload
         self._check_limits(p["sampling"] or SamplingParams(), p["prompt_ids"], "prompt_ids")
         return CreateRequest(
-            list(p["prompt_ids"]), p["config"], p["sampling"], p["session_id"], bool(p.get("score_input", False))
+            list(p["prompt_ids"]),
+            p["config"],
+            p["sampling"],
+            p["session_id"],
+            bool(p.get("score_input", False)),
         )
 
     def _prepare_step(self, job: _Job) -> StepRequest:
@@ -521,7 +563,11 @@ class EngineWorker:
             sampling = self.engine.session(sid).sampling.replace(**overrides)
         self._check_limits(sampling, p["new_ids"], "new_token_ids")
         return StepRequest(
-            sid, list(p["new_ids"]), sampling, bool(p.get("response_complete", False)), bool(p.get("score_input", False))
+            sid,
+            list(p["new_ids"]),
+            sampling,
+            bool(p.get("response_complete", False)),
+            bool(p.get("score_input", False)),
         )
 
     def _check_limits(self, sampling: SamplingParams | None, ids: list[int], ids_field: str) -> None:
@@ -542,8 +588,8 @@ class EngineWorker:
 
     def _complete(self, job: _Job, result: StepResult, batch_size: int) -> None:
         try:
-            text = self.decode(result.token_ids)
-        except Exception:  # noqa: BLE001 - a decode problem must not lose the result
+            text = self.final_text(result)
+        except Exception:  # noqa: BLE001 - a text problem must not lose the result
             text = result.text
         if job.kind == "create" and job.payload["ephemeral"]:
             self._close(result.session_id, "ephemeral")
@@ -552,6 +598,7 @@ class EngineWorker:
 
     def _finish(self, job: _Job, value: Any) -> None:
         job.future.set_result(value)
+        self._settled.append(job)
         with job.lock:
             job.finished = True
             abandoned = job.abandoned
@@ -563,6 +610,7 @@ class EngineWorker:
         if not quiet and not isinstance(exc, UnknownSessionError | CapacityError | ValueError):
             logger.exception("engine job %s failed", job.kind, exc_info=exc)
         job.future.set_exception(exc)
+        self._settled.append(job)
         with job.lock:
             job.finished = True
 
@@ -646,6 +694,30 @@ class EngineWorker:
             m.tokens.inc(len(r.token_ids) - sampled, kind="injected")
             for e in r.events:
                 m.compaction_events.inc(mode=str(e.mode), trigger=str(e.trigger))
+
+
+def _name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (Linux; best effort), so that tools and
+    ``benchmarks/bench_server.py`` can tell the worker's CPU time from the event loop's."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def _resolve(jobs: list[_Job]) -> None:
+    """On the callers' event loop: copy each job's outcome from its thread-side future to its waiter."""
+    for job in jobs:
+        waiter, future = job.waiter, job.future
+        if waiter is None or waiter.done():  # the caller went away meanwhile
+            continue
+        if future.cancelled():
+            waiter.cancel()
+        elif future.exception() is not None:
+            waiter.set_exception(future.exception())
+        else:
+            waiter.set_result(future.result())
 
 
 def _field_error(param: str, message: str) -> InvalidArgumentError:
