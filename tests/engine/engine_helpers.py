@@ -99,3 +99,33 @@ def reference_logprobs_over_cache(
         use_cache=True,
     )
     return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def triton_device() -> torch.device:
+    """The device Triton kernel tests run on: the interpreter's CPU (``TRITON_INTERPRET=1``) or
+    CUDA; skips the calling test module otherwise (call it at module level)."""
+    import pytest
+
+    from compaction_gym.engine.fast.kernels import HAS_TRITON, _interpreting
+
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed", allow_module_level=True)
+    if _interpreting():
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
+
+
+def stacked_blocks(events, **kwargs) -> list:
+    """Each event's block from one stacked ``apply_event`` call over ``events`` (Attention Matching;
+    ``kwargs``: ``compute_beta``, ``refit_values``, ``compact_fn``)."""
+    from compaction_gym.compaction import apply_event
+    from compaction_gym.engine.event_batch import split_result, stack_rows
+
+    rows = stack_rows(events)
+    block = apply_event(
+        rows.keys, rows.values, rows.queries, mode="attention_matching", span=rows.span, target=events[0].target,
+        key_bias=rows.key_bias, query_mask=rows.query_mask, **kwargs,
+    )  # fmt: skip
+    return split_result(block, rows)

@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import hypothesis.strategies as st
 import pytest
 import torch
+from engine_helpers import stacked_blocks
 from hypothesis import given, settings
 
-from compaction_gym.compaction import apply_event, compact
+from compaction_gym.compaction import compact
 from compaction_gym.engine.event_batch import (
     MAX_STACKED_ELEMENTS,
     MAX_STACKED_ROWS,
     PendingEvent,
     batch_key,
     group_events,
-    split_result,
     stack_rows,
     to_host,
 )
@@ -58,15 +58,6 @@ def alone(p: PendingEvent, compute_beta: bool, refit_values: bool):
     )  # fmt: skip
 
 
-def stacked(events, compute_beta: bool, refit_values: bool):
-    rows = stack_rows(events)
-    block = apply_event(
-        rows.keys, rows.values, rows.queries, mode="attention_matching", span=rows.span, target=events[0].target,
-        compute_beta=compute_beta, key_bias=rows.key_bias, refit_values=refit_values, query_mask=rows.query_mask,
-    )  # fmt: skip
-    return split_result(block, rows)
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     layout=st.lists(
@@ -89,7 +80,7 @@ def test_stacked_events_match_each_alone(layout, span_len, compute_beta, refit_v
         pending(seed + i, start, start + span_len + tail, span_len, n, with_bias)
         for i, (start, tail, with_bias, n) in enumerate(layout)
     ]
-    for p, got in zip(events, stacked(events, compute_beta, refit_values)):
+    for p, got in zip(events, stacked_blocks(events, compute_beta=compute_beta, refit_values=refit_values)):
         ref = alone(p, compute_beta, refit_values)
         assert torch.equal(got.indices, ref.indices)
         assert torch.allclose(got.keys, ref.keys, rtol=0, atol=0)
@@ -152,7 +143,7 @@ def test_to_host_is_bit_exact():
 def test_stacked_cache_dtypes_agree_to_rounding(dtype):
     """The engine's cache dtypes: the stacked call differs from the lone one by rounding at most."""
     events = [pending(i, 4 * i, 40 + 3 * i, 16, 32, i % 2 == 1, dtype) for i in range(3)]
-    for p, got in zip(events, stacked(events, True, True)):
+    for p, got in zip(events, stacked_blocks(events, compute_beta=True, refit_values=True)):
         ref = alone(p, True, True)
         assert torch.equal(got.indices, ref.indices)
         assert torch.allclose(got.beta, ref.beta, rtol=0, atol=1e-5)

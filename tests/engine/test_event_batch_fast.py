@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import stacked_blocks, triton_device
 
-from compaction_gym.compaction import apply_event
-from compaction_gym.engine.fast.kernels import HAS_TRITON, _interpreting
-
-if not HAS_TRITON:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-if _interpreting():
-    DEV = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEV = torch.device("cuda")
-else:
-    pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
+DEV = triton_device()
 
 from types import SimpleNamespace  # noqa: E402
 
-from compaction_gym.engine.event_batch import PendingEvent, group_events, split_result, stack_rows  # noqa: E402
+from compaction_gym.engine.event_batch import PendingEvent, group_events  # noqa: E402
 from compaction_gym.engine.fast import compact_fast  # noqa: E402
 
 HALF = torch.float16 if DEV.type == "cpu" else torch.bfloat16
@@ -45,15 +36,6 @@ def event(seed, rows, start, kv_len, span_len, n, d, with_bias, dtype):
         keys=rand(rows, kv_len, d, s=2.0), values=rand(rows, kv_len, d), key_bias=bias,
         queries=rand(rows, n, d, s=2.0), query_positions=None,
     )  # fmt: skip
-
-
-def run_stacked(events):
-    rows = stack_rows(events)
-    block = apply_event(
-        rows.keys, rows.values, rows.queries, mode="attention_matching", span=rows.span, target=events[0].target,
-        compute_beta=True, key_bias=rows.key_bias, compact_fn=compact_fast, query_mask=rows.query_mask,
-    )  # fmt: skip
-    return split_result(block, rows)
 
 
 def run_alone(p):
@@ -78,7 +60,7 @@ def test_fused_stacked_events_match_each_alone(dtype, probes):
         event(1, rows, 20, 120, 32, probes[1], d, True, dtype),
         event(2, rows, 8, 100, 32, probes[2], d, True, dtype),
     ]
-    for i, (p, got) in enumerate(zip(events, run_stacked(events))):
+    for i, (p, got) in enumerate(zip(events, stacked_blocks(events, compute_beta=True, compact_fn=compact_fast))):
         ref = run_alone(p)
         if i < 2 or dtype == torch.float32:
             assert torch.equal(got.indices, ref.indices)
@@ -103,7 +85,7 @@ def test_bench_shaped_group_runs_and_matches():
     calls = group_events(events, rows)
     assert sum(len(c) for c in calls) == 64 and len(calls) > 1
     for call in calls:
-        blocks = run_stacked([events[i] for i in call])
+        blocks = stacked_blocks([events[i] for i in call], compute_beta=True, compact_fn=compact_fast)
         for i, got in zip(call, blocks):
             if i % 16 not in (0, 5):  # full and padded probe counts
                 continue

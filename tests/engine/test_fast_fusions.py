@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import triton_device
 
 from compaction_gym.engine.fast.kernels import (
     _COUNTERS,
-    HAS_TRITON,
-    _interpreting,
     argmax_logprob,
     argmax_logprob_ref,
     decode_advance,
@@ -31,14 +30,7 @@ from compaction_gym.engine.fast.kernels import (
     silu_mul_ref,
 )
 
-if not HAS_TRITON:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-if _interpreting():
-    DEV = torch.device("cpu")
-elif torch.cuda.is_available():
-    DEV = torch.device("cuda")
-else:
-    pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
+DEV = triton_device()
 
 from compaction_gym.engine.fast import attention as A  # noqa: E402
 from compaction_gym.engine.fast.gemv import gemv, gemv_ref  # noqa: E402
