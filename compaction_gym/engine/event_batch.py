@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from compaction_gym.compaction import CompactionResult
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.session import Session
+from compaction_gym.engine.slot_cache import SlotKVCache
 
 #: Most rows (sessions × layers × KV heads) of one stacked call: the fused kernels launch one
 #: program per row on CUDA's second grid axis, which holds at most 65,535.
@@ -60,6 +62,7 @@ class PendingEvent:
     probe_rows: tuple[int, int] | None = None
     probe_tokens: tuple[int, ...] | None = None
     started: float = 0.0  # perf_counter when the event began
+    slot: int | None = None  # the session's cache slot (its rows are ``keys`` / ``values``)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -116,9 +119,14 @@ class StackedRows:
     shifts: torch.Tensor  # [S] int64: stacked row = session row + shift
 
 
-def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
+def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None) -> StackedRows:
     """Each event's rows shifted so its span starts at the same row; padding rows get bias ``-inf``,
-    padding probes (zeros) ``False`` in the query mask."""
+    padding probes (zeros) ``False`` in the query mask.
+
+    With the ``cache`` whose slots the events read (every event's ``slot`` set), K, V and β of all
+    events are gathered by one indexed copy each (:func:`_gather_rows`) instead of one copy per
+    event and buffer; the result is the same, byte for byte.
+    """
     first = events[0]
     rows, _, d = first.keys.shape
     span_len = first.span[1] - first.span[0]
@@ -127,26 +135,31 @@ def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
     # rounded up to 16 rows: the kernels' row strides keep one divisibility (one compiled variant)
     length = -(-max(s + p.keys.shape[1] for s, p in zip(shifts, events)) // 16) * 16
     n_ev = len(events)
-    keys = first.keys.new_zeros(n_ev, rows, length, d)
-    values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
-    bias = torch.full((n_ev, rows, length), float("-inf"), dtype=torch.float32, device=keys.device)
-    for i, (s, p) in enumerate(zip(shifts, events)):
-        t = p.keys.shape[1]
-        keys[i, :, s : s + t] = p.keys
-        values[i, :, s : s + t] = p.values
-        bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
     counts = [p.queries.shape[1] for p in events]
     n = max(counts)
+    if cache is not None and all(p.slot is not None for p in events):
+        keys, values, bias, shift_t = _gather_rows(events, cache, shifts, length)
+    else:
+        keys = first.keys.new_zeros(n_ev, rows, length, d)
+        values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
+        bias = torch.full((n_ev, rows, length), float("-inf"), dtype=torch.float32, device=keys.device)
+        for i, (s, p) in enumerate(zip(shifts, events)):
+            t = p.keys.shape[1]
+            keys[i, :, s : s + t] = p.keys
+            values[i, :, s : s + t] = p.values
+            bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
+        (shift_t,) = upload([torch.tensor(shifts, dtype=torch.long)], keys.device)
     mask = None
     if min(counts) == n:
         queries = torch.cat([p.queries for p in events])
     else:
         queries = first.queries.new_zeros(n_ev, rows, n, d)
-        mask = torch.zeros(n_ev, rows, n, dtype=torch.bool, device=keys.device)
         for i, p in enumerate(events):
             queries[i, :, : counts[i]] = p.queries
-            mask[i, :, : counts[i]] = True
-        queries, mask = queries.view(n_ev * rows, n, d), mask.view(n_ev * rows, n)
+        host_mask = torch.arange(n)[None, :] < torch.tensor(counts)[:, None]
+        (mask,) = upload([host_mask], keys.device)
+        mask = mask[:, None, :].expand(n_ev, rows, n).reshape(n_ev * rows, n)
+        queries = queries.view(n_ev * rows, n, d)
     return StackedRows(
         keys.view(n_ev * rows, length, d),
         values.view(n_ev * rows, length, -1),
@@ -154,8 +167,37 @@ def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
         queries,
         mask,
         (start, start + span_len),
-        torch.tensor(shifts, dtype=torch.long, device=keys.device),
+        shift_t,
     )
+
+
+def _gather_rows(
+    events: Sequence[PendingEvent], cache: SlotKVCache, shifts: list[int], length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked K, V ``[S, B, length, d]``, bias ``[S, B, length]`` and shifts ``[S]`` read from the
+    cache's slots: stacked row ``r`` of event ``i`` is its slot's row ``r - shifts[i]``; rows outside
+    the slot's live rows (padding) read row 0 and are then set to 0 (K, V) and ``-inf`` (bias).
+
+    The bias is the slot's β, which is zero on a slot without β (``SlotKVCache.has_beta``), as the
+    per-event copy's ``0.0``.
+    """
+    rows = events[0].keys.shape[0]
+    shift = torch.tensor(shifts, dtype=torch.long)
+    src = torch.arange(length)[None, :] - shift[:, None]
+    live = torch.tensor([p.keys.shape[1] for p in events])
+    pad = (src < 0) | (src >= live[:, None])
+    pad_event, pad_row = torch.nonzero(pad, as_tuple=True)
+    slot = torch.tensor([p.slot for p in events])
+    host = [slot[:, None, None], torch.arange(rows)[None, :, None], src.masked_fill(pad, 0)[:, None, :]]
+    slot, head, src, pad_event, pad_row, shift = upload([*host, pad_event, pad_row, shift], cache.k.device)
+    per_row = (cache.max_slots, rows, cache.capacity)
+    keys = cache.k.view(*per_row, -1)[slot, head, src]
+    values = cache.v.view(*per_row, -1)[slot, head, src]
+    bias = cache.beta.view(per_row)[slot, head, src]
+    keys[pad_event, :, pad_row] = 0.0
+    values[pad_event, :, pad_row] = 0.0
+    bias[pad_event, :, pad_row] = float("-inf")
+    return keys, values, bias, shift
 
 
 def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
