@@ -200,19 +200,43 @@ def _gather_rows(
     return keys, values, bias, shift
 
 
-def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
-    """Each event's block, its kept indices back in its own cache rows."""
+@dataclass
+class EventBlocks:
+    """The blocks of the events of one scoring call, event by event: ``[S, B, t, ...]``, the kept
+    indices in each event's own cache rows."""
+
+    keys: torch.Tensor  # [S, B, t, d]
+    values: torch.Tensor  # [S, B, t, d_v]
+    beta: torch.Tensor | None  # [S, B, t]
+    indices: torch.Tensor  # [S, B, t]
+
+    def __getitem__(self, i: int) -> CompactionResult:
+        beta = None if self.beta is None else self.beta[i]
+        return CompactionResult(self.keys[i], self.values[i], beta, self.indices[i])
+
+
+def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -> EventBlocks:
+    """The blocks of a stacked call's events (views; the indices shifted back), or of a lone event's
+    call (``stacked=None``: one event)."""
+    if stacked is None:
+        return EventBlocks(
+            result.keys[None], result.values[None], None if result.beta is None else result.beta[None], result.indices[None]
+        )  # fmt: skip
     n_ev = stacked.shifts.shape[0]
     rows = result.indices.shape[0] // n_ev
     t = result.indices.shape[1]
-    indices = result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None]
-    keys = result.keys.view(n_ev, rows, t, -1)
-    values = result.values.view(n_ev, rows, t, -1)
-    beta = None if result.beta is None else result.beta.view(n_ev, rows, t)
-    return [
-        CompactionResult(keys[i], values[i], None if beta is None else beta[i], indices[i])
-        for i in range(n_ev)
-    ]
+    return EventBlocks(
+        result.keys.view(n_ev, rows, t, -1),
+        result.values.view(n_ev, rows, t, -1),
+        None if result.beta is None else result.beta.view(n_ev, rows, t),
+        result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None],
+    )
+
+
+def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
+    """Each event's block, its kept indices back in its own cache rows."""
+    blocks = event_blocks(result, stacked)
+    return [blocks[i] for i in range(stacked.shifts.shape[0])]
 
 
 def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

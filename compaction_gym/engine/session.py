@@ -9,6 +9,7 @@ shorter block, so rows and logical positions drift apart; :class:`RowMap` tracks
 
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.compaction.rowmap import RowMap
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.sampler import SampleStream
 
 
@@ -41,9 +43,32 @@ class ProbeRing:
     def select(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """Recorded queries at logical positions ``>= min_position`` (all if none qualify), in order.
 
+        The positions are pushed in increasing order (tokens are fed in order), so the selection is
+        the newest entries, one or two ranges of the ring: a view of it, or one copy of the two
+        ranges, and no host → device copy of an index (which would wait for the device). Rings
+        whose positions are not in push order are gathered.
+
         Returns:
             ``([L, H_q, n, d], (first, last + 1))`` or ``None`` when nothing was recorded.
         """
+        n_valid = min(self.count, self.capacity)
+        if n_valid == 0:
+            return None
+        oldest = self.count % self.capacity if self.count > self.capacity else 0
+        pos = self.positions.tolist()
+        chrono = pos[oldest:n_valid] + pos[:oldest]  # positions from the oldest entry on
+        if any(b <= a for a, b in zip(chrono, chrono[1:])) or chrono[0] < 0:
+            return self._gather(min_position)
+        k = n_valid - bisect.bisect_left(chrono, min_position) or n_valid
+        a = (oldest + n_valid - k) % self.capacity
+        if a + k <= self.capacity:
+            picked = self.queries[:, :, a : a + k]
+        else:
+            picked = torch.cat([self.queries[:, :, a:], self.queries[:, :, : a + k - self.capacity]], dim=2)
+        return picked, (chrono[n_valid - k], chrono[-1] + 1)
+
+    def _gather(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """:meth:`select` for any order of positions: an indexed gather."""
         valid = self.positions >= 0
         if not bool(valid.any()):
             return None
@@ -53,7 +78,8 @@ class ProbeRing:
         slots = torch.nonzero(keep).squeeze(1)
         slots = slots[torch.argsort(self.positions[slots])]
         pos = self.positions[slots]
-        return self.queries[:, :, slots.to(self.queries.device)], (int(pos[0]), int(pos[-1]) + 1)
+        (index,) = upload([slots], self.queries.device)
+        return self.queries[:, :, index], (int(pos[0]), int(pos[-1]) + 1)
 
     def clone(self) -> ProbeRing:
         new = copy.copy(self)

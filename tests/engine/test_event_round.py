@@ -7,9 +7,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import example, given, settings
+from test_batched_events import BUDGET, GREEDY, rollout, workload
 
+from compaction_gym.engine import CompactionConfig
 from compaction_gym.engine.event_batch import PendingEvent, stack_rows
 from compaction_gym.engine.slot_cache import SlotKVCache
 
@@ -158,3 +161,117 @@ def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
                 b.view(torch.uint8) if b.is_floating_point() else b,
             ), name
     assert got.span == want.span
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    pushes=st.lists(st.integers(1, 12), min_size=0, max_size=6),
+    gap=st.integers(0, 3),
+    min_position=st.integers(-2, 60),
+)
+def test_probe_ring_selects_what_the_gather_selects(capacity, pushes, gap, min_position):
+    """Property: over ring capacities, push sizes (wrapping or not), gaps between pushes and
+    thresholds, the ring's views (or its one copy of two ranges) equal the indexed gather, and so
+    does its position range; ``None`` when nothing was recorded."""
+    from compaction_gym.engine.session import ProbeRing
+
+    ring = ProbeRing(2, 3, 4, capacity, torch.float32, torch.device("cpu"))
+    position = 0
+    for i, m in enumerate(pushes):
+        m = min(m, capacity)
+        ring.push(torch.randn(2, 3, m, 4, generator=torch.Generator().manual_seed(i)), position)
+        position += m + gap
+    got, want = ring.select(min_position), ring._gather(min_position)
+    assert (got is None) == (want is None) == (not pushes)
+    if got is not None:
+        assert got[1] == want[1] and torch.equal(got[0], want[0])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    from compaction_gym.engine import Engine
+
+    return Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cpu", max_slots=4, capacity=512
+    )
+
+
+def per_event_round(monkeypatch, engine) -> None:
+    """The round as it ran before the batched one: probes gathered by index, rows stacked by one
+    copy per event and buffer, one ``replace_span`` per slot."""
+    from compaction_gym.engine import compactor as compactor_module
+    from compaction_gym.engine.session import ProbeRing
+
+    cache = engine.cache
+
+    def replace_spans(slots, spans, keys, values, beta, *, nonzero=None):
+        return [
+            cache.replace_span(
+                s, span, keys[i], values[i], None if beta is None else beta[i], nonzero=nonzero[i]
+            )
+            for i, (s, span) in enumerate(zip(slots, spans))
+        ]
+
+    monkeypatch.setattr(compactor_module, "stack_rows", lambda events, cache=None: stack_rows(events))
+    monkeypatch.setattr(cache, "replace_spans", replace_spans)
+    monkeypatch.setattr(ProbeRing, "select", ProbeRing._gather)
+
+
+def compare_rounds(engine, n, lens, seed, temperature, beta, probes, raw) -> list[int]:
+    """Step ``n`` sessions together with the batched round and with the per-event round; assert
+    equal tokens, log-probs, events and cache bytes; return the scoring calls' row counts."""
+    cfg = CompactionConfig(
+        mode="attention_matching", compute_beta=beta, queries=probes, kv_budget_from="raw" if raw else "prompt",
+        **BUDGET,
+    )  # fmt: skip
+    prompts, inputs = workload(n, lens, seed)
+    sampling = GREEDY.replace(temperature=temperature)
+    batched = rollout(engine, [cfg] * n, prompts, inputs, sampling, stacked=True)
+    with pytest.MonkeyPatch.context() as mp:
+        per_event_round(mp, engine)
+        reference = rollout(engine, [cfg] * n, prompts, inputs, sampling, stacked=True)
+    assert batched[2] == reference[2]
+    for va, vb, ca, cb in zip(batched[0], reference[0], batched[1], reference[1]):
+        assert va.token_ids == vb.token_ids and va.logprobs == vb.logprobs
+        assert len(va.events) == len(vb.events) >= 2
+        for ea, eb in zip(va.events, vb.events):
+            assert (ea.span, ea.logical_span, ea.kv_len_after, ea.probe_logical_range, ea.probe_rows) == (
+                eb.span, eb.logical_span, eb.kv_len_after, eb.probe_logical_range, eb.probe_rows,
+            )  # fmt: skip
+            assert torch.equal(ea.indices, eb.indices)
+            assert (ea.beta is None) == (eb.beta is None)
+            if ea.beta is not None:
+                assert torch.equal(ea.beta.view(torch.int32), eb.beta.view(torch.int32))
+        for xa, xb in zip(ca, cb):  # K, V and β of every live row
+            assert torch.equal(xa.view(torch.uint8), xb.view(torch.uint8))
+    return batched[2]
+
+
+@pytest.mark.parametrize("probes", ["suffix", "keys"])
+def test_a_round_of_stacked_events_is_byte_identical_to_the_per_event_round(engine, probes):
+    """Four sessions whose events fall due together (β on, temperature 1): stacked calls happen,
+    and every session and cache ends byte for byte as with the per-event round."""
+    calls = compare_rounds(engine, 4, [16, 16, 12, 16], 7, 1.0, True, probes, False)
+    assert max(calls) == 4 * engine.layout.n_layers * engine.layout.n_kv_heads
+
+
+@settings(max_examples=5, deadline=None)
+@example(n=4, lens=[10, 18, 14, 7], seed=1, temperature=1.0, beta=True, probes="suffix", raw=False)
+@example(n=3, lens=[16, 16, 16, 16], seed=2, temperature=2.0, beta=True, probes="keys", raw=True)
+@given(
+    n=st.integers(2, 4),
+    lens=st.lists(st.integers(6, 24), min_size=4, max_size=4),
+    seed=st.integers(0, 10_000),
+    temperature=st.sampled_from([1.0, 2.0]),
+    beta=st.booleans(),
+    probes=st.sampled_from(["suffix", "keys", "random"]),
+    raw=st.booleans(),
+)
+def test_a_round_leaves_sessions_and_caches_as_the_per_event_round(
+    engine, n, lens, seed, temperature, beta, probes, raw
+):
+    """Property: sessions stepped together (several events each, sampled at temperature 1–2, β on
+    and off, suffix / key / random probes, both KV-budget schedules) end with the same tokens,
+    log-probs, events and cache bytes as with the per-event round."""
+    compare_rounds(engine, n, lens, seed, temperature, beta, probes, raw)
