@@ -30,7 +30,7 @@ import torch
 from compaction_gym.compaction import CompactionResult
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.session import Session
-from compaction_gym.engine.slot_cache import SlotKVCache
+from compaction_gym.engine.slot_cache import SlotKVCache, as_words
 
 #: Most rows (sessions × layers × KV heads) of one stacked call: the fused kernels launch one
 #: program per row on CUDA's second grid axis, which holds at most 65,535.
@@ -191,13 +191,12 @@ def _gather_rows(
     host = [slot[:, None, None], torch.arange(rows)[None, :, None], src.masked_fill(pad, 0)[:, None, :]]
     slot, head, src, pad_event, pad_row, shift = upload([*host, pad_event, pad_row, shift], cache.k.device)
     per_row = (cache.max_slots, rows, cache.capacity)
-    keys = cache.k.view(*per_row, -1)[slot, head, src]
-    values = cache.v.view(*per_row, -1)[slot, head, src]
+    keys, values = (as_words(buf.view(*per_row, -1))[slot, head, src] for buf in (cache.k, cache.v))
     bias = cache.beta.view(per_row)[slot, head, src]
-    keys[pad_event, :, pad_row] = 0.0
-    values[pad_event, :, pad_row] = 0.0
+    keys[pad_event, :, pad_row] = 0  # all bits zero: +0.0 in any float dtype
+    values[pad_event, :, pad_row] = 0
     bias[pad_event, :, pad_row] = float("-inf")
-    return keys, values, bias, shift
+    return keys.view(cache.k.dtype), values.view(cache.v.dtype), bias, shift
 
 
 @dataclass

@@ -17,9 +17,10 @@ def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tens
     (views of one buffer); on a CPU ``device``, the tensors themselves."""
     if device.type == "cpu":
         return tensors
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    if device.type == "cuda":
-        flat = flat.pin_memory()
+    flat = torch.empty(
+        sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=device.type == "cuda"
+    )
+    torch.cat([t.reshape(-1) for t in tensors], out=flat)
     flat = flat.to(device, non_blocking=True)
     out, a = [], 0
     for t in tensors:

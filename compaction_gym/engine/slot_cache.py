@@ -250,12 +250,13 @@ class SlotKVCache:
             for buf in (self.k, self.v, self.beta)
         ]
         if src.numel():
-            for buf, moved in [(buf, buf[t_slot, src]) for buf in bufs]:  # gathered before any write
+            words = [as_words(buf) for buf in bufs]
+            for buf, moved in [(w, w[t_slot, src]) for w in words]:  # gathered before any write
                 buf[t_slot, dst] = moved
         if t:
             bk, bv, bb = bufs
-            bk[slot[:, None], rows] = keys.transpose(1, 2).to(self.k.dtype)
-            bv[slot[:, None], rows] = values.transpose(1, 2).to(self.v.dtype)
+            _put(bk, (slot[:, None], rows), keys.to(self.k.dtype).transpose(1, 2))
+            _put(bv, (slot[:, None], rows), values.to(self.v.dtype).transpose(1, 2))
             if beta is None:
                 bb[slot[:, None], rows] = 0.0
             else:
@@ -269,6 +270,25 @@ class SlotKVCache:
         for s, m in zip(slots, lengths):
             self._lengths[s] = m
         return lengths
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dim's bytes seen as int64 words when they divide (the same bytes, a view).
+
+    PyTorch's indexed copies move one element per thread; moving a bfloat16 row of keys as 8-byte
+    words moves 4 elements per thread (K/V rows are whole head dims: 256 bytes for ``d = 128``).
+    """
+    if x.element_size() < 8 and x.stride(-1) == 1 and x.shape[-1] * x.element_size() % 8 == 0:
+        return x.view(torch.int64)
+    return x
+
+
+def _put(buf: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
+    """``buf[index] = value``, as words where both are seen as words (:func:`as_words`)."""
+    words, value_words = as_words(buf), as_words(value)
+    if words.dtype == value_words.dtype:
+        buf, value = words, value_words
+    buf[index] = value
 
 
 def _segments(

@@ -52,13 +52,22 @@ slot_spec = st.tuples(st.integers(0, 20), st.integers(0, 16), st.integers(0, 12)
 
 
 @settings(max_examples=60, deadline=None)
-@example(specs=[(0, 8, 0, True), (5, 8, 3, False)], t=8, with_beta=True, known=True, dtype="float32", seed=0)
+@example(
+    specs=[(0, 8, 0, True), (5, 8, 3, False)],
+    t=8,
+    with_beta=True,
+    known=True,
+    dtype="float32",
+    strided=True,
+    seed=0,
+)
 @example(
     specs=[(3, 4, 9, True), (0, 16, 0, False), (7, 12, 12, True)],
     t=0,
     with_beta=False,
     known=False,
     dtype="float64",
+    strided=False,
     seed=1,
 )
 @given(
@@ -67,12 +76,13 @@ slot_spec = st.tuples(st.integers(0, 20), st.integers(0, 16), st.integers(0, 12)
     with_beta=st.booleans(),
     known=st.booleans(),
     dtype=st.sampled_from(["float32", "float64", "bfloat16"]),
+    strided=st.booleans(),
     seed=st.integers(0, 10_000),
 )
-def test_replace_spans_equals_one_replace_span_per_slot(specs, t, with_beta, known, dtype, seed):
+def test_replace_spans_equals_one_replace_span_per_slot(specs, t, with_beta, known, dtype, strided, seed):
     """Property: over slots, span starts and lengths (blocks shorter, equal or — t = 0 — empty),
     suffix lengths, slots with and without β, β given / zero / with the nonzero flag known or not,
-    and K/V dtypes: the cache after ``replace_spans`` equals it after ``replace_span`` slot by slot."""
+    K/V dtypes and strides: the cache after ``replace_spans`` equals it after ``replace_span`` slot by slot."""
     g = torch.Generator().manual_seed(seed + 1)
     order = torch.randperm(SLOTS, generator=g).tolist()[: len(specs)]  # slots in any order
     lengths = [0] * SLOTS
@@ -90,6 +100,8 @@ def test_replace_spans_equals_one_replace_span_per_slot(specs, t, with_beta, kno
     n = len(order)
     keys = torch.randn(n, L * H, t, D, generator=g, dtype=torch.float64).to(torch_dtype)
     values = torch.randn(n, L * H, t, D, generator=g, dtype=torch.float64).to(torch_dtype)
+    if strided:  # a block whose head dim is not contiguous (a solve's output can be)
+        values = values.transpose(-1, -2).contiguous().transpose(-1, -2)
     beta = None
     if with_beta:
         beta = torch.randn(n, L * H, t, generator=g)
