@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,7 @@ class ProbeRing:
         oldest = self.count % self.capacity if self.count > self.capacity else 0
         pos = self.positions.tolist()
         chrono = pos[oldest:n_valid] + pos[:oldest]  # positions from the oldest entry on
-        if any(b <= a for a, b in zip(chrono, chrono[1:])) or chrono[0] < 0:
+        if chrono[0] < 0 or not all(map(operator.lt, chrono, chrono[1:])):
             return self._gather(min_position)
         k = n_valid - bisect.bisect_left(chrono, min_position) or n_valid
         a = (oldest + n_valid - k) % self.capacity
