@@ -36,9 +36,16 @@ class ProbeRing:
         """Append ``queries`` ``[L, H_q, m, d]`` of logical positions ``first_position ..``."""
         m = queries.shape[2]
         assert m <= self.capacity
-        idx = (self.count + torch.arange(m)) % self.capacity
-        self.queries[:, :, idx.to(self.queries.device)] = queries.to(self.queries.dtype)
-        self.positions[idx] = torch.arange(first_position, first_position + m)
+        queries = queries.to(self.queries.dtype)
+        # one or two ranges of the ring, written by slices: an index tensor would have to be copied
+        # to the device, and a plain copy waits for the device (docs/engine.md, "Batched events")
+        a = self.count % self.capacity
+        k = min(m, self.capacity - a)
+        self.queries[:, :, a : a + k] = queries[:, :, :k]
+        self.positions[a : a + k] = torch.arange(first_position, first_position + k)
+        if k < m:
+            self.queries[:, :, : m - k] = queries[:, :, k:]
+            self.positions[: m - k] = torch.arange(first_position + k, first_position + m)
         self.count += m
 
     def select(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:

@@ -287,3 +287,27 @@ def test_a_round_leaves_sessions_and_caches_as_the_per_event_round(
     and off, suffix / key / random probes, both KV-budget schedules) end with the same tokens,
     log-probs, events and cache bytes as with the per-event round."""
     compare_rounds(engine, n, lens, seed, temperature, beta, probes, raw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.integers(1, 12), pushes=st.lists(st.integers(1, 12), min_size=1, max_size=6))
+def test_probe_ring_push_by_slices_equals_the_indexed_write(capacity, pushes):
+    """Property: pushing by one or two slices leaves the ring (queries, positions, count) as the
+    indexed write ``(count + arange(m)) % capacity`` does, wrapping or not."""
+    from compaction_gym.engine.session import ProbeRing
+
+    ring = ProbeRing(2, 3, 4, capacity, torch.float32, torch.device("cpu"))
+    queries = torch.zeros(2, 3, capacity, 4)
+    positions = torch.full((capacity,), -1, dtype=torch.long)
+    count = position = 0
+    for i, m in enumerate(pushes):
+        m = min(m, capacity)
+        q = torch.randn(2, 3, m, 4, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+        ring.push(q, position)
+        idx = (count + torch.arange(m)) % capacity
+        queries[:, :, idx] = q.float()
+        positions[idx] = torch.arange(position, position + m)
+        count, position = count + m, position + m + i % 2
+    assert (
+        torch.equal(ring.queries, queries) and torch.equal(ring.positions, positions) and ring.count == count
+    )
