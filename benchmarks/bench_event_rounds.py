@@ -7,7 +7,8 @@ of them: one KV-budget-like event per session (span ``[--prompt, --prompt + --wi
 itself is a stub (the span's first ``t`` rows, β = 0: a few ops per call), so what is timed is the
 round's own work: probes, stacking, the host copy, the write-back into the slots and the records.
 
-Printed per event: host µs (median over ``--repeats`` rounds) and the aten operations the round
+Printed per event: wall µs of the round (median over ``--repeats`` rounds; on CUDA until the
+device has finished it, so kernels' time counts too) and the aten operations the round
 dispatches (a ``TorchDispatchMode`` count, views and the stub's own ops excluded), split by stage
 (the ``record_function`` ranges of ``compact_many``). On CUDA every one of those operations on a
 device tensor is a kernel launch.
@@ -19,6 +20,9 @@ of both, and prints the ratio.
 Usage:
     python benchmarks/bench_event_rounds.py
     python benchmarks/bench_event_rounds.py --baseline 7c0a627 --sessions 32 --repeats 20
+    # GPU, the Qwen3-4B attention layout (36 layers, 32/8 heads, d 128), a bench_sessions-sized call
+    python benchmarks/bench_event_rounds.py --device cuda --layers 36 --heads 32 --kv-heads 8 \
+        --head-dim 128 --sessions 58 --baseline 7c0a627
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=256, help="n_probe_queries (suffix probes recorded)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="K/V dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--baseline", default=None, help="git revision to measure too, in the same run")
     p.add_argument("--json", action="store_true", help="print one JSON line (used by --baseline)")
     return p
@@ -129,7 +134,8 @@ def build(args):
         max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.float32).to(args.device).eval()
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    model = Qwen3ForCausalLM._from_config(config, dtype=dtype).to(args.device).eval()
     n = args.sessions
     engine = Engine(model, None, max_slots=2 * n, capacity=args.kv_len + 64, fast=False)
     engine.compactor.batch_events = True
@@ -151,6 +157,8 @@ def one_round(engine, sids, args, counter: OpCounter | None) -> float:
     sessions = [engine.scheduler.get(f) for f in forks]
     requests = [(s, (args.prompt, args.prompt + args.window), 0.25, "kv_budget") for s in sessions]
     ctx = counter if counter is not None else contextlib.nullcontext()
+    if engine.cache.k.is_cuda:
+        torch.cuda.synchronize()  # the forks' copies are not the round's
     with ctx:
         t = time.perf_counter()
         events = engine.compactor.compact_many(requests)
@@ -178,7 +186,7 @@ def measure(args) -> dict:
     one_round(engine, sids, args, counter)
     n = args.sessions
     return {
-        "host_us_per_event": statistics.median(times) / n * 1e6,
+        "us_per_event": statistics.median(times) / n * 1e6,
         "ops_per_event": sum(counter.counts.values()) / n,
         "by_stage": {k: v / n for k, v in sorted(counter.counts.items())},
         "top_ops": dict(counter.by_op.most_common(12)),
@@ -229,15 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary = {}
     for name, rs in runs.items():
-        us = statistics.median(r["host_us_per_event"] for r in rs)
+        us = statistics.median(r["us_per_event"] for r in rs)
         ops = rs[0]["ops_per_event"]
         summary[name] = (us, ops)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in rs[0]["by_stage"].items())
-        print(f"{name}: {us:.0f} host µs/event, {ops:.1f} ops/event ({stages})")
+        print(f"{name}: {us:.0f} µs/event, {ops:.1f} ops/event ({stages})")
         print(f"    most frequent ops: {rs[0]['top_ops']}")
     if args.baseline:
         (us_b, ops_b), (us_c, ops_c) = summary[args.baseline], summary["current"]
-        print(f"current ÷ {args.baseline}: host time {us_c / us_b:.2f}×, ops {ops_c / ops_b:.2f}×")
+        print(f"current ÷ {args.baseline}: time {us_c / us_b:.2f}×, ops {ops_c / ops_b:.2f}×")
     return 0
 
 
