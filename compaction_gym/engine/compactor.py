@@ -315,9 +315,13 @@ class Compactor:
             started=t0, slot=s.slot,
         )  # fmt: skip
         if cfg.mode != "markovian":  # a deletion needs no probes
-            p.queries, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
+            probes, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
                 s, keys_all, log_span, index
             )
+            if isinstance(probes, tuple):  # suffix probes, grouped on first use (PendingEvent.probes)
+                p.query_parts = probes
+            else:
+                p.queries = probes
         p.query_positions = self._probe_positions(
             s, p.probe_range, p.probe_rows, keys_all.device, len(p.probe_tokens) if p.probe_tokens else 0
         )
@@ -332,7 +336,7 @@ class Compactor:
         return apply_event(
             p.keys if one else stacked.keys,
             p.values if one else stacked.values,
-            p.queries if one else stacked.queries,
+            p.probes() if one else stacked.queries,
             mode=cfg.mode,
             span=p.span if one else stacked.span,
             target=p.target,
@@ -426,9 +430,9 @@ class Compactor:
         mass = None
         if p.target == 0:
             mass = 0.0
-        elif p.queries is not None:
+        elif p.has_probes:
             mass = attention_mass_kept(
-                p.keys, p.queries, p.span, result.indices, scale=self.layout.scale, key_bias=p.key_bias,
+                p.keys, p.probes(), p.span, result.indices, scale=self.layout.scale, key_bias=p.key_bias,
                 beta=result.beta,
             )  # fmt: skip
         p.timings["mass"] = time.perf_counter() - t_mass
@@ -469,14 +473,15 @@ class Compactor:
     def _probes(
         self, s: Session, keys: torch.Tensor, log_span: tuple[int, int], index: int
     ) -> tuple[
-        torch.Tensor | None,
+        torch.Tensor | tuple[torch.Tensor, ...] | None,
         tuple[int, int] | None,
         int | None,
         tuple[int, int] | None,
         tuple[int, ...] | None,
     ]:
         """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range, seed, key rows
-        and ``repeat`` probe tokens."""
+        and ``repeat`` probe tokens; ``suffix`` probes as the ring's views ``[L, H_q, m, d]``, not
+        grouped yet (:attr:`PendingEvent.query_parts`)."""
         cfg, lay = s.config, self.layout
         rows = probe_range = seed = queries = repeat_q = tokens = None
         if cfg.queries == "random":
@@ -487,11 +492,14 @@ class Compactor:
         elif cfg.mode not in QUERY_MODES:  # streaming / random selection: attention is not looked at
             return None, None, None, None, None
         if cfg.queries in SUFFIX_SOURCES and s.probes is not None:
-            picked = s.probes.select(log_span[1])
+            picked = s.probes.select_parts(log_span[1])
             if picked is None and cfg.queries == "suffix":
                 raise InvalidArgumentError("no queries were recorded for suffix probes; feed tokens first")
             if picked is not None:
-                queries, probe_range = picked
+                parts, probe_range = picked
+                if cfg.queries == "suffix":
+                    return parts, probe_range, seed, rows, tokens
+                queries = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         if cfg.queries in REPEAT_SOURCES:
             if self.harvest is None:
                 raise InvalidArgumentError("queries='repeat' needs an engine that can run a scratch forward")

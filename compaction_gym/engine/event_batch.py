@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compaction_gym.compaction import CompactionResult
+from compaction_gym.compaction import CompactionResult, gqa_probes
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache, as_words
@@ -55,7 +55,7 @@ class PendingEvent:
     keys: torch.Tensor  # the slot's rows [L * H_kv, T, d] (views, valid until the write-back)
     values: torch.Tensor
     key_bias: torch.Tensor | None  # [L * H_kv, T], None when the slot holds no β
-    queries: torch.Tensor | None  # probes [L * H_kv, n, d]
+    queries: torch.Tensor | None  # probes [L * H_kv, n, d] (see query_parts)
     query_positions: torch.Tensor | None
     probe_range: tuple[int, int] | None = None
     probe_seed: int | None = None
@@ -63,15 +63,58 @@ class PendingEvent:
     probe_tokens: tuple[int, ...] | None = None
     started: float = 0.0  # perf_counter when the event began
     slot: int | None = None  # the session's cache slot (its rows are ``keys`` / ``values``)
+    #: suffix probes not grouped yet: views ``[L, H_q, m, d]`` of the session's probe ring, in order
+    #: (``queries`` is ``None`` until :meth:`probes` groups them; a stacked call copies them
+    #: straight into its rows, so a stacked event's probes are copied once)
+    query_parts: tuple[torch.Tensor, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def has_probes(self) -> bool:
+        return self.queries is not None or bool(self.query_parts)
+
+    def probe_count(self) -> int:
+        """Probes per row: ``queries.shape[1]``, or what grouping ``query_parts`` gives (0: none)."""
+        if self.queries is not None or not self.query_parts:
+            return 0 if self.queries is None else self.queries.shape[1]
+        group = self.query_parts[0].shape[1] // self._kv_heads()
+        return group * sum(part.shape[2] for part in self.query_parts)
+
+    def probes(self) -> torch.Tensor | None:
+        """``queries``, grouped from ``query_parts`` on first use (:func:`gqa_probes`, as
+        :func:`~compaction_gym.compaction.event_probes` groups ``suffix`` probes)."""
+        if self.queries is None and self.query_parts:
+            parts = self.query_parts
+            self.queries = gqa_probes(
+                torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].contiguous(), self._kv_heads()
+            )
+        return self.queries
+
+    def write_probes(self, out: torch.Tensor) -> None:
+        """Copy the probes into ``out[:, :probe_count()]`` (``out``: ``[L * H_kv, n, d]``, contiguous)."""
+        if self.queries is not None or not self.query_parts:
+            out[:, : self.probe_count()] = self.probes()
+            return
+        layers, heads, _, d = self.query_parts[0].shape
+        kv = self._kv_heads()
+        m = sum(part.shape[2] for part in self.query_parts)
+        # row l * H_kv + h holds query heads h*G .. h*G+G-1, each with its m probes (gqa_probes)
+        grouped = out.view(layers, kv, -1, d)[:, :, : heads // kv * m].view(layers, kv, heads // kv, m, d)
+        a = 0
+        for part in self.query_parts:
+            grouped[:, :, :, a : a + part.shape[2]] = part.view(layers, kv, heads // kv, -1, d)
+            a += part.shape[2]
+
+    def _kv_heads(self) -> int:
+        return self.keys.shape[0] // self.query_parts[0].shape[0]
 
 
 def batch_key(p: PendingEvent) -> tuple | None:
     """Events with equal keys can be scored in one stacked call; ``None``: this one goes alone."""
     cfg = p.session.config
-    if cfg.mode != "attention_matching" or p.queries is None:
+    if cfg.mode != "attention_matching" or not p.has_probes:
         return None
-    n, d = p.queries.shape[1:]
+    n, d = p.probe_count(), p.keys.shape[-1]
     span_len = p.span[1] - p.span[0]
     probes = None if cfg.refit_values else n  # stacked with padding probes only when C2 is refitted
     return (
@@ -98,8 +141,8 @@ def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[l
     calls = []
     for g in groups.values():
         first = pending[g[0]]
-        n = max(0 if pending[i].queries is None else pending[i].queries.shape[1] for i in g)
-        size = 0 if first.queries is None else n * (first.queries.shape[2] + first.target)
+        n = max(pending[i].probe_count() for i in g)
+        size = 0 if not first.has_probes else n * (first.keys.shape[-1] + first.target)
         rows = min(MAX_STACKED_ROWS, MAX_STACKED_ELEMENTS // max(1, size))
         per_call = max(1, rows // rows_per_event)
         calls += [g[a : a + per_call] for a in range(0, len(g), per_call)]
@@ -135,7 +178,7 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
     # rounded up to 16 rows: the kernels' row strides keep one divisibility (one compiled variant)
     length = -(-max(s + p.keys.shape[1] for s, p in zip(shifts, events)) // 16) * 16
     n_ev = len(events)
-    counts = [p.queries.shape[1] for p in events]
+    counts = [p.probe_count() for p in events]
     n = max(counts)
     if cache is not None and all(p.slot is not None for p in events):
         keys, values, bias, shift_t = _gather_rows(events, cache, shifts, length)
@@ -150,15 +193,17 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
             bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
         (shift_t,) = upload([torch.tensor(shifts, dtype=torch.long)], keys.device)
     mask = None
-    if min(counts) == n:
+    if min(counts) == n and all(p.queries is not None for p in events):
         queries = torch.cat([p.queries for p in events])
     else:
-        queries = first.queries.new_zeros(n_ev, rows, n, d)
+        like = first.queries if first.queries is not None else first.query_parts[0]
+        queries = (like.new_zeros if min(counts) < n else like.new_empty)(n_ev, rows, n, d)
         for i, p in enumerate(events):
-            queries[i, :, : counts[i]] = p.queries
-        host_mask = torch.arange(n)[None, :] < torch.tensor(counts)[:, None]
-        (mask,) = upload([host_mask], keys.device)
-        mask = mask[:, None, :].expand(n_ev, rows, n).reshape(n_ev * rows, n)
+            p.write_probes(queries[i])
+        if min(counts) < n:
+            host_mask = torch.arange(n)[None, :] < torch.tensor(counts)[:, None]
+            (mask,) = upload([host_mask], keys.device)
+            mask = mask[:, None, :].expand(n_ev, rows, n).reshape(n_ev * rows, n)
         queries = queries.view(n_ev * rows, n, d)
     return StackedRows(
         keys.view(n_ev * rows, length, d),

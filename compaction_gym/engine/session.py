@@ -51,13 +51,22 @@ class ProbeRing:
     def select(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """Recorded queries at logical positions ``>= min_position`` (all if none qualify), in order.
 
-        The positions are pushed in increasing order (tokens are fed in order), so the selection is
-        the newest entries, one or two ranges of the ring: a view of it, or one copy of the two
-        ranges, and no host → device copy of an index (which would wait for the device). Rings
-        whose positions are not in push order are gathered.
-
         Returns:
             ``([L, H_q, n, d], (first, last + 1))`` or ``None`` when nothing was recorded.
+        """
+        picked = self.select_parts(min_position)
+        if picked is None:
+            return None
+        parts, span = picked
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), span
+
+    def select_parts(self, min_position: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]] | None:
+        """:meth:`select` as one or two views of the ring ``[L, H_q, m, d]``, to be read in order.
+
+        The positions are pushed in increasing order (tokens are fed in order), so the selection is
+        the newest entries, one or two ranges of the ring: no copy, and no host → device copy of an
+        index (which would wait for the device). Rings whose positions are not in push order are
+        gathered (one part).
         """
         n_valid = min(self.count, self.capacity)
         if n_valid == 0:
@@ -66,17 +75,19 @@ class ProbeRing:
         pos = self.positions.tolist()
         chrono = pos[oldest:n_valid] + pos[:oldest]  # positions from the oldest entry on
         if chrono[0] < 0 or not all(map(operator.lt, chrono, chrono[1:])):
-            return self._gather(min_position)
+            picked = self._gather(min_position)
+            return None if picked is None else ((picked[0],), picked[1])
         k = n_valid - bisect.bisect_left(chrono, min_position) or n_valid
         a = (oldest + n_valid - k) % self.capacity
         if a + k <= self.capacity:
-            picked = self.queries[:, :, a : a + k]
+            parts = (self.queries[:, :, a : a + k],)
         else:
-            picked = torch.cat([self.queries[:, :, a:], self.queries[:, :, : a + k - self.capacity]], dim=2)
-        return picked, (chrono[n_valid - k], chrono[-1] + 1)
+            parts = (self.queries[:, :, a:], self.queries[:, :, : a + k - self.capacity])
+        return parts, (chrono[n_valid - k], chrono[-1] + 1)
 
     def _gather(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
-        """:meth:`select` for any order of positions: an indexed gather."""
+        """:meth:`select` for any order of positions: an indexed gather (the index copied to the
+        device without a synchronisation)."""
         valid = self.positions >= 0
         if not bool(valid.any()):
             return None

@@ -14,6 +14,7 @@ from test_batched_events import BUDGET, GREEDY, rollout, workload
 
 from compaction_gym.engine import CompactionConfig
 from compaction_gym.engine.event_batch import PendingEvent, stack_rows
+from compaction_gym.engine.session import ProbeRing
 from compaction_gym.engine.slot_cache import SlotKVCache
 
 L, H, D, SLOTS, CAP = 2, 3, 8, 6, 48
@@ -118,23 +119,41 @@ def test_replace_spans_equals_one_replace_span_per_slot(specs, t, with_beta, kno
     assert_same_cache(cache, ref)
 
 
-def event_of(cache: SlotKVCache, slot: int, span: tuple[int, int], n: int, seed: int) -> PendingEvent:
+def event_of(
+    cache: SlotKVCache, slot: int, span: tuple[int, int], n: int, ring: int, seed: int
+) -> PendingEvent:
+    """An event on ``slot`` with ``n`` probes per row: a tensor (``ring = 0``) or, as suffix probes,
+    the views of a probe ring of 2 query heads per KV head (``n`` recorded positions, after
+    ``3 · ring`` older ones, so that the selection wraps around the ring or not)."""
     keys, values, beta = cache.rows(slot)
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(mode="attention_matching", compute_beta=True, ridge=1e-4, refit_values=True)
-    return PendingEvent(
+    p = PendingEvent(
         session=SimpleNamespace(config=cfg), span=span, trigger="kv_budget", target=2, index=0,
         logical_span=span, kv_len_before=cache.length(slot), keys=keys, values=values,
-        key_bias=beta if cache.has_beta[slot] else None,
-        queries=torch.randn(L * H, n, D, generator=g, dtype=torch.float64).to(keys.dtype), query_positions=None,
-        slot=slot,
+        key_bias=beta if cache.has_beta[slot] else None, queries=None, query_positions=None, slot=slot,
     )  # fmt: skip
+    if not ring:
+        p.queries = torch.randn(L * H, n, D, generator=g, dtype=torch.float64).to(keys.dtype)
+        return p
+    probes = ProbeRing(L, 2 * H, D, n + 2, keys.dtype, torch.device("cpu"))
+    probes.push(torch.randn(L, 2 * H, 3 * ring % (n + 2) or 1, D, generator=g), 0)
+    probes.push(torch.randn(L, 2 * H, n, D, generator=g), 100)
+    p.query_parts, _ = probes.select_parts(100)
+    return p
+
+
+def grouped(p: PendingEvent) -> PendingEvent:
+    """``p`` with its probes grouped (as the per-event round had them)."""
+    p.probes()
+    return p
 
 
 @settings(max_examples=40, deadline=None)
-@example(specs=[(4, 10, 6, True, 12), (4, 30, 0, False, 12)], dtype="float32", seed=0)
+@example(specs=[(4, 10, 0, True, 12), (4, 30, 2, False, 12)], dtype="float32", seed=0)
+@example(specs=[(4, 10, 1, True, 7), (2, 30, 3, False, 12), (3, 0, 0, True, 3)], dtype="bfloat16", seed=1)
 @given(
-    specs=st.lists(  # per event: span start, rows after the span, probes, β, probe count
+    specs=st.lists(  # per event: span start, rows after the span, probes (tensor / ring), β, count
         st.tuples(
             st.integers(0, 20),
             st.integers(0, 16),
@@ -150,7 +169,8 @@ def event_of(cache: SlotKVCache, slot: int, span: tuple[int, int], n: int, seed:
 )
 def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
     """Property: the stacked keys, values, bias (−inf padding), probes, mask, span and shifts
-    gathered from the slots in one indexed copy per buffer are those the per-event copies give."""
+    gathered from the slots in one indexed copy per buffer, and the probes copied from the rings'
+    views, are those the per-event copies of grouped probes give."""
     span_len = 8
     order = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(seed)).tolist()[: len(specs)]
     lengths = [0] * SLOTS
@@ -158,11 +178,14 @@ def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
         lengths[slot] = a + span_len + after
     beta_slots = {s for s, spec in zip(order, specs) if spec[3]}
     cache = filled_cache(seed, lengths, beta_slots, getattr(torch, dtype))
-    events = [
-        event_of(cache, s, (a, a + span_len), n, seed + i)
-        for i, (s, (a, _, _, _, n)) in enumerate(zip(order, specs))
-    ]
-    got, want = stack_rows(events, cache), stack_rows(events)
+
+    def events():
+        return [
+            event_of(cache, s, (a, a + span_len), n, ring, seed + i)
+            for i, (s, (a, _, ring, _, n)) in enumerate(zip(order, specs))
+        ]
+
+    got, want = stack_rows(events(), cache), stack_rows([grouped(p) for p in events()])
     for name in ("keys", "values", "key_bias", "queries", "query_mask", "shifts"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
@@ -186,8 +209,6 @@ def test_probe_ring_selects_what_the_gather_selects(capacity, pushes, gap, min_p
     """Property: over ring capacities, push sizes (wrapping or not), gaps between pushes and
     thresholds, the ring's views (or its one copy of two ranges) equal the indexed gather, and so
     does its position range; ``None`` when nothing was recorded."""
-    from compaction_gym.engine.session import ProbeRing
-
     ring = ProbeRing(2, 3, 4, capacity, torch.float32, torch.device("cpu"))
     position = 0
     for i, m in enumerate(pushes):
@@ -210,10 +231,9 @@ def engine(tiny_model_path):
 
 
 def per_event_round(monkeypatch, engine) -> None:
-    """The round as it ran before the batched one: probes gathered by index, rows stacked by one
-    copy per event and buffer, one ``replace_span`` per slot."""
+    """The round as it ran before the batched one: probes gathered by index and grouped, rows
+    stacked by one copy per event and buffer, one ``replace_span`` per slot."""
     from compaction_gym.engine import compactor as compactor_module
-    from compaction_gym.engine.session import ProbeRing
 
     cache = engine.cache
 
@@ -225,9 +245,15 @@ def per_event_round(monkeypatch, engine) -> None:
             for i, (s, span) in enumerate(zip(slots, spans))
         ]
 
-    monkeypatch.setattr(compactor_module, "stack_rows", lambda events, cache=None: stack_rows(events))
+    def gathered(ring, min_position):
+        picked = ring._gather(min_position)
+        return None if picked is None else ((picked[0],), picked[1])
+
+    monkeypatch.setattr(
+        compactor_module, "stack_rows", lambda events, cache=None: stack_rows(list(map(grouped, events)))
+    )
     monkeypatch.setattr(cache, "replace_spans", replace_spans)
-    monkeypatch.setattr(ProbeRing, "select", ProbeRing._gather)
+    monkeypatch.setattr(ProbeRing, "select_parts", gathered)
 
 
 def compare_rounds(engine, n, lens, seed, temperature, beta, probes, raw) -> list[int]:
@@ -294,8 +320,6 @@ def test_a_round_leaves_sessions_and_caches_as_the_per_event_round(
 def test_probe_ring_push_by_slices_equals_the_indexed_write(capacity, pushes):
     """Property: pushing by one or two slices leaves the ring (queries, positions, count) as the
     indexed write ``(count + arange(m)) % capacity`` does, wrapping or not."""
-    from compaction_gym.engine.session import ProbeRing
-
     ring = ProbeRing(2, 3, 4, capacity, torch.float32, torch.device("cpu"))
     queries = torch.zeros(2, 3, capacity, 4)
     positions = torch.full((capacity,), -1, dtype=torch.long)
