@@ -15,7 +15,8 @@ device tensor is a kernel launch.
 
 ``--baseline REV`` runs the same measurement on the package of git revision ``REV`` too (its
 ``compaction_gym/`` checked out into a temporary folder, run in a subprocess), alternating rounds
-of both, and prints the ratio.
+of both, and prints the ratio; ``REV`` may also be a folder holding that ``compaction_gym/``
+(``git archive REV compaction_gym | tar -x -C DIR``, for a machine without the repository's git).
 
 Usage:
     python benchmarks/bench_event_rounds.py
@@ -65,7 +66,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="K/V dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--baseline", default=None, help="git revision to measure too, in the same run")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="git revision (or a folder holding its compaction_gym/) to measure too, in the same run",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line (used by --baseline)")
     return p
 
@@ -224,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parents[1]
     runs: dict[str, list[dict]] = {"current": []}
     with tempfile.TemporaryDirectory() as tmp:
+        baseline = Path(tmp)
         if args.baseline:
             runs[args.baseline] = []
-            checkout(args.baseline, Path(tmp))
+            if (Path(args.baseline) / "compaction_gym").is_dir():  # an extracted tree (no git on the device)
+                baseline = Path(args.baseline).resolve()
+            else:
+                checkout(args.baseline, baseline)
         for _ in range(2):  # alternating, so that load drift on a shared machine hits both alike
             for name in runs:
-                runs[name].append(run_child(args, here if name == "current" else Path(tmp)))
+                runs[name].append(run_child(args, here if name == "current" else baseline))
     print(
         f"{args.sessions} sessions, layout L={args.layers} H_q={args.heads} H_kv={args.kv_heads} d={args.head_dim}, "
         f"span {args.window} -> {args.window // 4}, kv_len {args.kv_len}±32, {args.probes} probes, {args.device}, "
