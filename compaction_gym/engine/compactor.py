@@ -39,10 +39,11 @@ from compaction_gym.compaction.modes import (
 )
 from compaction_gym.compaction.rowmap import replace_blocks
 from compaction_gym.engine.event_batch import (
+    EventBlocks,
     PendingEvent,
     StackedRows,
+    event_blocks,
     group_events,
-    split_result,
     stack_rows,
     to_host,
 )
@@ -261,39 +262,41 @@ class Compactor:
 
         Every event's probes are gathered first; events of one shape (:func:`batch_key`) are then
         scored by one stacked :func:`apply_event` call (docs/engine.md, "Batched events"), the
-        others alone; each session's block is written back and its event recorded as if it had
-        been compacted alone. The sessions must be distinct (a session's next event depends on
-        this one's block).
+        others alone; each call's blocks are written back into their slots at once
+        (:meth:`SlotKVCache.replace_spans`) and every event is recorded as if it had been
+        compacted alone. The sessions must be distinct (a session's next event depends on this
+        one's block).
         """
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
         with record_function("compaction.prepare"):
             pending = [self._prepare(*r) for r in requests]
-        done: dict[int, tuple[CompactionResult, torch.Tensor, torch.Tensor | None]] = {}
         rows = self.layout.n_layers * self.layout.n_kv_heads
         groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
+        scored = []
         for group in groups:
             t0 = time.perf_counter()
+            events = [pending[i] for i in group]
             if len(group) == 1:
                 with record_function("compaction.score"):
-                    blocks = [self._score(pending[group[0]])]
+                    blocks = event_blocks(self._score(events[0]))
             else:
                 with record_function("compaction.stack"):
-                    stacked = stack_rows([pending[i] for i in group])
+                    stacked = stack_rows(events, self.cache)
                 with record_function("compaction.score"):
-                    blocks = split_result(self._score(pending[group[0]], stacked), stacked)
-            # the recorded indices and β of the whole group: one device→host copy
-            recorded = pending[group[0]].session.config.compute_beta and blocks[0].beta is not None
+                    blocks = event_blocks(self._score(events[0], stacked), stacked)
+            # the recorded indices and β of the whole call: one device→host copy
+            recorded = events[0].session.config.compute_beta and blocks.beta is not None
             with record_function("compaction.to_host"):
-                indices, beta = to_host(
-                    torch.stack([b.indices for b in blocks]),
-                    torch.stack([b.beta for b in blocks]) if recorded else None,
-                )
+                host = to_host(blocks.indices, blocks.beta if recorded else None)
             share = (time.perf_counter() - t0) / len(group)  # a stacked call's time, split evenly
-            for k, i in enumerate(group):
-                pending[i].timings["compact"] = share
-                done[i] = (blocks[k], indices[k], None if beta is None else beta[k])
+            for p in events:
+                p.timings["compact"] = share
+            scored.append((group, blocks, host))
+        done: dict[int, CompactionEvent] = {}
         with record_function("compaction.finish"):
-            return [self._finish(p, *done[i]) for i, p in enumerate(pending)]
+            for group, blocks, (indices, beta) in scored:
+                done.update(zip(group, self._finish([pending[i] for i in group], blocks, indices, beta)))
+        return [done[i] for i in range(len(pending))]
 
     def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
         """An event's span, target and probes, read from the slot as it stands."""
@@ -309,12 +312,16 @@ class Compactor:
             session=s, span=span, trigger=trigger, target=target_size(cfg.mode, end - start, ratio),
             index=index, logical_span=log_span, kv_len_before=kv_before, keys=keys_all, values=values_all,
             key_bias=beta_all if cache.has_beta[s.slot] else None, queries=None, query_positions=None,
-            started=t0,
+            started=t0, slot=s.slot,
         )  # fmt: skip
         if cfg.mode != "markovian":  # a deletion needs no probes
-            p.queries, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
+            probes, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
                 s, keys_all, log_span, index
             )
+            if isinstance(probes, tuple):  # suffix probes, grouped on first use (PendingEvent.probes)
+                p.query_parts = probes
+            else:
+                p.queries = probes
         p.query_positions = self._probe_positions(
             s, p.probe_range, p.probe_rows, keys_all.device, len(p.probe_tokens) if p.probe_tokens else 0
         )
@@ -329,7 +336,7 @@ class Compactor:
         return apply_event(
             p.keys if one else stacked.keys,
             p.values if one else stacked.values,
-            p.queries if one else stacked.queries,
+            p.probes() if one else stacked.queries,
             mode=cfg.mode,
             span=p.span if one else stacked.span,
             target=p.target,
@@ -347,63 +354,89 @@ class Compactor:
 
     def _finish(
         self,
-        p: PendingEvent,
-        result: CompactionResult,
+        events: list[PendingEvent],
+        blocks: EventBlocks,
         host_indices: torch.Tensor,
         host_beta: torch.Tensor | None,
-    ) -> CompactionEvent:
-        """Write ``p``'s block into its slot and record its event (``host_*``: its indices and fitted
-        β, copied to the host)."""
-        s, cfg, cache, lay = p.session, p.session.config, self.cache, self.layout
-        start, end = p.span
-        timings, target = p.timings, p.target
+    ) -> list[CompactionEvent]:
+        """Write the blocks of one scoring call's events into their slots (one batched write-back)
+        and record the events (``host_*``: their indices and fitted β ``[S, B, t]``, on the host)."""
+        cache, lay = self.cache, self.layout
+        cfg = events[0].session.config  # compute_beta is one of the batch key's settings
+        target = events[0].target
+        masses = [self._mass(p, blocks[k]) for k, p in enumerate(events)]  # before the rows are overwritten
+        t_write = time.perf_counter()
+        slots = [p.session.slot for p in events]
+        # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
+        keep = [cfg.compute_beta or cache.has_beta[s] for s in slots]
+        beta = blocks.beta if any(keep) else None
+        if beta is not None and not all(keep):
+            beta = beta.clone()
+            for k in (k for k, kept in enumerate(keep) if not kept):
+                beta[k] = 0.0
+        fitted = [False] * len(events) if host_beta is None else host_beta.ne(0).flatten(1).any(1).tolist()
+        nonzero = [cache.has_beta[s] or f for s, f in zip(slots, fitted)]
+        kv_after = cache.replace_spans(
+            slots, [p.span for p in events], blocks.keys, blocks.values, beta, nonzero=nonzero
+        )
+        write_share = (time.perf_counter() - t_write) / len(events)
+        out = []
+        for k, p in enumerate(events):
+            t_record = time.perf_counter()
+            s, (start, end) = p.session, p.span
+            indices = host_indices[k].reshape(lay.n_layers, lay.n_kv_heads, target)
+            # what the cache stores (float32): replay's constant β
+            recorded_beta = (
+                None if host_beta is None else host_beta[k].reshape(lay.n_layers, lay.n_kv_heads, target)
+            )
+            s.row_map.replace(start, end, target, p.logical_span)
+            assert s.row_map.rows == kv_after[k]
+            event = CompactionEvent(
+                index=p.index,
+                trigger=p.trigger,
+                mode=cfg.mode,
+                span=(start, end),
+                logical_span=p.logical_span,
+                indices=indices,
+                target=target,
+                probe_source=cfg.queries,
+                probe_logical_range=p.probe_range,
+                probe_seed=p.probe_seed,
+                compute_beta=cfg.compute_beta,
+                kv_len_before=p.kv_len_before,
+                kv_len_after=kv_after[k],
+                logical_len=s.fed,
+                position_offset=s.fed - kv_after[k],
+                timings=p.timings,
+                probe_rows=p.probe_rows,
+                beta=recorded_beta,
+                mass_kept=masses[k],
+                probe_tokens=p.probe_tokens,
+                refit_values=cfg.refit_values,
+            )
+            s.events.append(event)
+            # the diagnostic is not compaction's cost
+            p.timings["total"] = (
+                p.timings["probes"] + p.timings["compact"] + write_share + time.perf_counter() - t_record
+            )
+            out.append(event)
+        return out
+
+    def _mass(self, p: PendingEvent, result: CompactionResult) -> float | None:
+        """The event's ``mass_kept`` (with ``record_mass``), read before its rows are overwritten."""
+        if not self.record_mass:
+            return None
         t_mass = time.perf_counter()
         mass = None
-        if self.record_mass and target == 0:
+        if p.target == 0:
             mass = 0.0
-        elif self.record_mass and p.queries is not None:  # before the span's rows are overwritten
+        elif p.has_probes:
             mass = attention_mass_kept(
-                p.keys, p.queries, p.span, result.indices, scale=lay.scale, key_bias=p.key_bias, beta=result.beta,
+                p.keys, p.probes(), p.span, result.indices, scale=self.layout.scale, key_bias=p.key_bias,
+                beta=result.beta,
             )  # fmt: skip
-        if self.record_mass:
-            timings["mass"] = time.perf_counter() - t_mass
-        t_write = time.perf_counter()
-        indices = host_indices.reshape(lay.n_layers, lay.n_kv_heads, target)
-        # what the cache stores (float32): replay's constant β
-        recorded_beta = None if host_beta is None else host_beta.reshape(lay.n_layers, lay.n_kv_heads, target)
-        # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
-        beta = result.beta if cfg.compute_beta or cache.has_beta[s.slot] else None
-        nonzero = cache.has_beta[s.slot] or (recorded_beta is not None and bool((recorded_beta != 0).any()))
-        kv_after = cache.replace_span(s.slot, p.span, result.keys, result.values, beta, nonzero=nonzero)
-        s.row_map.replace(start, end, target, p.logical_span)
-        assert s.row_map.rows == kv_after
-        # the diagnostic is not compaction's cost
-        timings["total"] = timings["probes"] + timings["compact"] + time.perf_counter() - t_write
-        event = CompactionEvent(
-            index=p.index,
-            trigger=p.trigger,
-            mode=cfg.mode,
-            span=(start, end),
-            logical_span=p.logical_span,
-            indices=indices,
-            target=target,
-            probe_source=cfg.queries,
-            probe_logical_range=p.probe_range,
-            probe_seed=p.probe_seed,
-            compute_beta=cfg.compute_beta,
-            kv_len_before=p.kv_len_before,
-            kv_len_after=kv_after,
-            logical_len=s.fed,
-            position_offset=s.fed - kv_after,
-            timings=timings,
-            probe_rows=p.probe_rows,
-            beta=recorded_beta,
-            mass_kept=mass,
-            probe_tokens=p.probe_tokens,
-            refit_values=cfg.refit_values,
-        )
-        s.events.append(event)
-        return event
+        p.timings["mass"] = time.perf_counter() - t_mass
+        return mass
 
     def _probe_positions(
         self,
@@ -440,14 +473,15 @@ class Compactor:
     def _probes(
         self, s: Session, keys: torch.Tensor, log_span: tuple[int, int], index: int
     ) -> tuple[
-        torch.Tensor | None,
+        torch.Tensor | tuple[torch.Tensor, ...] | None,
         tuple[int, int] | None,
         int | None,
         tuple[int, int] | None,
         tuple[int, ...] | None,
     ]:
         """Probe queries ``[L * H_kv, n, d]`` for one event, with their logical range, seed, key rows
-        and ``repeat`` probe tokens."""
+        and ``repeat`` probe tokens; ``suffix`` probes as the ring's views ``[L, H_q, m, d]``, not
+        grouped yet (:attr:`PendingEvent.query_parts`)."""
         cfg, lay = s.config, self.layout
         rows = probe_range = seed = queries = repeat_q = tokens = None
         if cfg.queries == "random":
@@ -458,11 +492,14 @@ class Compactor:
         elif cfg.mode not in QUERY_MODES:  # streaming / random selection: attention is not looked at
             return None, None, None, None, None
         if cfg.queries in SUFFIX_SOURCES and s.probes is not None:
-            picked = s.probes.select(log_span[1])
+            picked = s.probes.select_parts(log_span[1])
             if picked is None and cfg.queries == "suffix":
                 raise InvalidArgumentError("no queries were recorded for suffix probes; feed tokens first")
             if picked is not None:
-                queries, probe_range = picked
+                parts, probe_range = picked
+                if cfg.queries == "suffix":
+                    return parts, probe_range, seed, rows, tokens
+                queries = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         if cfg.queries in REPEAT_SOURCES:
             if self.harvest is None:
                 raise InvalidArgumentError("queries='repeat' needs an engine that can run a scratch forward")

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compaction_gym.compaction import CompactionResult
+from compaction_gym.compaction import CompactionResult, gqa_probes
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.session import Session
+from compaction_gym.engine.slot_cache import SlotKVCache, as_words
 
 #: Most rows (sessions × layers × KV heads) of one stacked call: the fused kernels launch one
 #: program per row on CUDA's second grid axis, which holds at most 65,535.
@@ -53,22 +55,66 @@ class PendingEvent:
     keys: torch.Tensor  # the slot's rows [L * H_kv, T, d] (views, valid until the write-back)
     values: torch.Tensor
     key_bias: torch.Tensor | None  # [L * H_kv, T], None when the slot holds no β
-    queries: torch.Tensor | None  # probes [L * H_kv, n, d]
+    queries: torch.Tensor | None  # probes [L * H_kv, n, d] (see query_parts)
     query_positions: torch.Tensor | None
     probe_range: tuple[int, int] | None = None
     probe_seed: int | None = None
     probe_rows: tuple[int, int] | None = None
     probe_tokens: tuple[int, ...] | None = None
     started: float = 0.0  # perf_counter when the event began
+    slot: int | None = None  # the session's cache slot (its rows are ``keys`` / ``values``)
+    #: suffix probes not grouped yet: views ``[L, H_q, m, d]`` of the session's probe ring, in order
+    #: (``queries`` is ``None`` until :meth:`probes` groups them; a stacked call copies them
+    #: straight into its rows, so a stacked event's probes are copied once)
+    query_parts: tuple[torch.Tensor, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def has_probes(self) -> bool:
+        return self.queries is not None or bool(self.query_parts)
+
+    def probe_count(self) -> int:
+        """Probes per row: ``queries.shape[1]``, or what grouping ``query_parts`` gives (0: none)."""
+        if self.queries is not None or not self.query_parts:
+            return 0 if self.queries is None else self.queries.shape[1]
+        group = self.query_parts[0].shape[1] // self._kv_heads()
+        return group * sum(part.shape[2] for part in self.query_parts)
+
+    def probes(self) -> torch.Tensor | None:
+        """``queries``, grouped from ``query_parts`` on first use (:func:`gqa_probes`, as
+        :func:`~compaction_gym.compaction.event_probes` groups ``suffix`` probes)."""
+        if self.queries is None and self.query_parts:
+            parts = self.query_parts
+            self.queries = gqa_probes(
+                torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].contiguous(), self._kv_heads()
+            )
+        return self.queries
+
+    def write_probes(self, out: torch.Tensor) -> None:
+        """Copy the probes into ``out[:, :probe_count()]`` (``out``: ``[L * H_kv, n, d]``, contiguous)."""
+        if self.queries is not None or not self.query_parts:
+            out[:, : self.probe_count()] = self.probes()
+            return
+        layers, heads, _, d = self.query_parts[0].shape
+        kv = self._kv_heads()
+        m = sum(part.shape[2] for part in self.query_parts)
+        # row l * H_kv + h holds query heads h*G .. h*G+G-1, each with its m probes (gqa_probes)
+        grouped = out.view(layers, kv, -1, d)[:, :, : heads // kv * m].view(layers, kv, heads // kv, m, d)
+        a = 0
+        for part in self.query_parts:
+            grouped[:, :, :, a : a + part.shape[2]] = part.view(layers, kv, heads // kv, -1, d)
+            a += part.shape[2]
+
+    def _kv_heads(self) -> int:
+        return self.keys.shape[0] // self.query_parts[0].shape[0]
 
 
 def batch_key(p: PendingEvent) -> tuple | None:
     """Events with equal keys can be scored in one stacked call; ``None``: this one goes alone."""
     cfg = p.session.config
-    if cfg.mode != "attention_matching" or p.queries is None:
+    if cfg.mode != "attention_matching" or not p.has_probes:
         return None
-    n, d = p.queries.shape[1:]
+    n, d = p.probe_count(), p.keys.shape[-1]
     span_len = p.span[1] - p.span[0]
     probes = None if cfg.refit_values else n  # stacked with padding probes only when C2 is refitted
     return (
@@ -95,8 +141,8 @@ def group_events(pending: Sequence[PendingEvent], rows_per_event: int) -> list[l
     calls = []
     for g in groups.values():
         first = pending[g[0]]
-        n = max(0 if pending[i].queries is None else pending[i].queries.shape[1] for i in g)
-        size = 0 if first.queries is None else n * (first.queries.shape[2] + first.target)
+        n = max(pending[i].probe_count() for i in g)
+        size = 0 if not first.has_probes else n * (first.keys.shape[-1] + first.target)
         rows = min(MAX_STACKED_ROWS, MAX_STACKED_ELEMENTS // max(1, size))
         per_call = max(1, rows // rows_per_event)
         calls += [g[a : a + per_call] for a in range(0, len(g), per_call)]
@@ -116,9 +162,14 @@ class StackedRows:
     shifts: torch.Tensor  # [S] int64: stacked row = session row + shift
 
 
-def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
+def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None) -> StackedRows:
     """Each event's rows shifted so its span starts at the same row; padding rows get bias ``-inf``,
-    padding probes (zeros) ``False`` in the query mask."""
+    padding probes (zeros) ``False`` in the query mask.
+
+    With the ``cache`` whose slots the events read (every event's ``slot`` set), K, V and β of all
+    events are gathered by one indexed copy each (:func:`_gather_rows`) instead of one copy per
+    event and buffer; the result is the same, byte for byte.
+    """
     first = events[0]
     rows, _, d = first.keys.shape
     span_len = first.span[1] - first.span[0]
@@ -127,26 +178,33 @@ def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
     # rounded up to 16 rows: the kernels' row strides keep one divisibility (one compiled variant)
     length = -(-max(s + p.keys.shape[1] for s, p in zip(shifts, events)) // 16) * 16
     n_ev = len(events)
-    keys = first.keys.new_zeros(n_ev, rows, length, d)
-    values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
-    bias = torch.full((n_ev, rows, length), float("-inf"), dtype=torch.float32, device=keys.device)
-    for i, (s, p) in enumerate(zip(shifts, events)):
-        t = p.keys.shape[1]
-        keys[i, :, s : s + t] = p.keys
-        values[i, :, s : s + t] = p.values
-        bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
-    counts = [p.queries.shape[1] for p in events]
+    counts = [p.probe_count() for p in events]
     n = max(counts)
+    if cache is not None and all(p.slot is not None for p in events):
+        keys, values, bias, shift_t = _gather_rows(events, cache, shifts, length)
+    else:
+        keys = first.keys.new_zeros(n_ev, rows, length, d)
+        values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
+        bias = torch.full((n_ev, rows, length), float("-inf"), dtype=torch.float32, device=keys.device)
+        for i, (s, p) in enumerate(zip(shifts, events)):
+            t = p.keys.shape[1]
+            keys[i, :, s : s + t] = p.keys
+            values[i, :, s : s + t] = p.values
+            bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
+        (shift_t,) = upload([torch.tensor(shifts, dtype=torch.long)], keys.device)
     mask = None
-    if min(counts) == n:
+    if min(counts) == n and all(p.queries is not None for p in events):
         queries = torch.cat([p.queries for p in events])
     else:
-        queries = first.queries.new_zeros(n_ev, rows, n, d)
-        mask = torch.zeros(n_ev, rows, n, dtype=torch.bool, device=keys.device)
+        like = first.queries if first.queries is not None else first.query_parts[0]
+        queries = (like.new_zeros if min(counts) < n else like.new_empty)(n_ev, rows, n, d)
         for i, p in enumerate(events):
-            queries[i, :, : counts[i]] = p.queries
-            mask[i, :, : counts[i]] = True
-        queries, mask = queries.view(n_ev * rows, n, d), mask.view(n_ev * rows, n)
+            p.write_probes(queries[i])
+        if min(counts) < n:
+            host_mask = torch.arange(n)[None, :] < torch.tensor(counts)[:, None]
+            (mask,) = upload([host_mask], keys.device)
+            mask = mask[:, None, :].expand(n_ev, rows, n).reshape(n_ev * rows, n)
+        queries = queries.view(n_ev * rows, n, d)
     return StackedRows(
         keys.view(n_ev * rows, length, d),
         values.view(n_ev * rows, length, -1),
@@ -154,23 +212,75 @@ def stack_rows(events: Sequence[PendingEvent]) -> StackedRows:
         queries,
         mask,
         (start, start + span_len),
-        torch.tensor(shifts, dtype=torch.long, device=keys.device),
+        shift_t,
+    )
+
+
+def _gather_rows(
+    events: Sequence[PendingEvent], cache: SlotKVCache, shifts: list[int], length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked K, V ``[S, B, length, d]``, bias ``[S, B, length]`` and shifts ``[S]`` read from the
+    cache's slots: stacked row ``r`` of event ``i`` is its slot's row ``r - shifts[i]``; rows outside
+    the slot's live rows (padding) read row 0 and are then set to 0 (K, V) and ``-inf`` (bias).
+
+    The bias is the slot's β, which is zero on a slot without β (``SlotKVCache.has_beta``), as the
+    per-event copy's ``0.0``.
+    """
+    rows = events[0].keys.shape[0]
+    shift = torch.tensor(shifts, dtype=torch.long)
+    src = torch.arange(length)[None, :] - shift[:, None]
+    live = torch.tensor([p.keys.shape[1] for p in events])
+    pad = (src < 0) | (src >= live[:, None])
+    pad_event, pad_row = torch.nonzero(pad, as_tuple=True)
+    slot = torch.tensor([p.slot for p in events])
+    host = [slot[:, None, None], torch.arange(rows)[None, :, None], src.masked_fill(pad, 0)[:, None, :]]
+    slot, head, src, pad_event, pad_row, shift = upload([*host, pad_event, pad_row, shift], cache.k.device)
+    per_row = (cache.max_slots, rows, cache.capacity)
+    keys, values = (as_words(buf.view(*per_row, -1))[slot, head, src] for buf in (cache.k, cache.v))
+    bias = cache.beta.view(per_row)[slot, head, src]
+    keys[pad_event, :, pad_row] = 0  # all bits zero: +0.0 in any float dtype
+    values[pad_event, :, pad_row] = 0
+    bias[pad_event, :, pad_row] = float("-inf")
+    return keys.view(cache.k.dtype), values.view(cache.v.dtype), bias, shift
+
+
+@dataclass
+class EventBlocks:
+    """The blocks of the events of one scoring call, event by event: ``[S, B, t, ...]``, the kept
+    indices in each event's own cache rows."""
+
+    keys: torch.Tensor  # [S, B, t, d]
+    values: torch.Tensor  # [S, B, t, d_v]
+    beta: torch.Tensor | None  # [S, B, t]
+    indices: torch.Tensor  # [S, B, t]
+
+    def __getitem__(self, i: int) -> CompactionResult:
+        beta = None if self.beta is None else self.beta[i]
+        return CompactionResult(self.keys[i], self.values[i], beta, self.indices[i])
+
+
+def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -> EventBlocks:
+    """The blocks of a stacked call's events (views; the indices shifted back), or of a lone event's
+    call (``stacked=None``: one event)."""
+    if stacked is None:
+        return EventBlocks(
+            result.keys[None], result.values[None], None if result.beta is None else result.beta[None], result.indices[None]
+        )  # fmt: skip
+    n_ev = stacked.shifts.shape[0]
+    rows = result.indices.shape[0] // n_ev
+    t = result.indices.shape[1]
+    return EventBlocks(
+        result.keys.view(n_ev, rows, t, -1),
+        result.values.view(n_ev, rows, t, -1),
+        None if result.beta is None else result.beta.view(n_ev, rows, t),
+        result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None],
     )
 
 
 def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
     """Each event's block, its kept indices back in its own cache rows."""
-    n_ev = stacked.shifts.shape[0]
-    rows = result.indices.shape[0] // n_ev
-    t = result.indices.shape[1]
-    indices = result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None]
-    keys = result.keys.view(n_ev, rows, t, -1)
-    values = result.values.view(n_ev, rows, t, -1)
-    beta = None if result.beta is None else result.beta.view(n_ev, rows, t)
-    return [
-        CompactionResult(keys[i], values[i], None if beta is None else beta[i], indices[i])
-        for i in range(n_ev)
-    ]
+    blocks = event_blocks(result, stacked)
+    return [blocks[i] for i in range(stacked.shifts.shape[0])]
 
 
 def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

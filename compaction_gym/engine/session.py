@@ -9,7 +9,9 @@ shorter block, so rows and logical positions drift apart; :class:`RowMap` tracks
 
 from __future__ import annotations
 
+import bisect
 import copy
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.compaction.rowmap import RowMap
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.sampler import SampleStream
 
 
@@ -33,9 +36,16 @@ class ProbeRing:
         """Append ``queries`` ``[L, H_q, m, d]`` of logical positions ``first_position ..``."""
         m = queries.shape[2]
         assert m <= self.capacity
-        idx = (self.count + torch.arange(m)) % self.capacity
-        self.queries[:, :, idx.to(self.queries.device)] = queries.to(self.queries.dtype)
-        self.positions[idx] = torch.arange(first_position, first_position + m)
+        queries = queries.to(self.queries.dtype)
+        # one or two ranges of the ring, written by slices: an index tensor would have to be copied
+        # to the device, and a plain copy waits for the device (docs/engine.md, "Batched events")
+        a = self.count % self.capacity
+        k = min(m, self.capacity - a)
+        self.queries[:, :, a : a + k] = queries[:, :, :k]
+        self.positions[a : a + k] = torch.arange(first_position, first_position + k)
+        if k < m:
+            self.queries[:, :, : m - k] = queries[:, :, k:]
+            self.positions[: m - k] = torch.arange(first_position + k, first_position + m)
         self.count += m
 
     def select(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
@@ -44,6 +54,40 @@ class ProbeRing:
         Returns:
             ``([L, H_q, n, d], (first, last + 1))`` or ``None`` when nothing was recorded.
         """
+        picked = self.select_parts(min_position)
+        if picked is None:
+            return None
+        parts, span = picked
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)), span
+
+    def select_parts(self, min_position: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]] | None:
+        """:meth:`select` as one or two views of the ring ``[L, H_q, m, d]``, to be read in order.
+
+        The positions are pushed in increasing order (tokens are fed in order), so the selection is
+        the newest entries, one or two ranges of the ring: no copy, and no host → device copy of an
+        index (which would wait for the device). Rings whose positions are not in push order are
+        gathered (one part).
+        """
+        n_valid = min(self.count, self.capacity)
+        if n_valid == 0:
+            return None
+        oldest = self.count % self.capacity if self.count > self.capacity else 0
+        pos = self.positions.tolist()
+        chrono = pos[oldest:n_valid] + pos[:oldest]  # positions from the oldest entry on
+        if chrono[0] < 0 or not all(map(operator.lt, chrono, chrono[1:])):
+            picked = self._gather(min_position)
+            return None if picked is None else ((picked[0],), picked[1])
+        k = n_valid - bisect.bisect_left(chrono, min_position) or n_valid
+        a = (oldest + n_valid - k) % self.capacity
+        if a + k <= self.capacity:
+            parts = (self.queries[:, :, a : a + k],)
+        else:
+            parts = (self.queries[:, :, a:], self.queries[:, :, : a + k - self.capacity])
+        return parts, (chrono[n_valid - k], chrono[-1] + 1)
+
+    def _gather(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """:meth:`select` for any order of positions: an indexed gather (the index copied to the
+        device without a synchronisation)."""
         valid = self.positions >= 0
         if not bool(valid.any()):
             return None
@@ -53,7 +97,8 @@ class ProbeRing:
         slots = torch.nonzero(keep).squeeze(1)
         slots = slots[torch.argsort(self.positions[slots])]
         pos = self.positions[slots]
-        return self.queries[:, :, slots.to(self.queries.device)], (int(pos[0]), int(pos[-1]) + 1)
+        (index,) = upload([slots], self.queries.device)
+        return self.queries[:, :, index], (int(pos[0]), int(pos[-1]) + 1)
 
     def clone(self) -> ProbeRing:
         new = copy.copy(self)

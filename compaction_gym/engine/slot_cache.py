@@ -8,9 +8,12 @@ without the head dim. Rows past a slot's length are garbage for K/V and zero for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from compaction_gym.engine.context import ForwardContext
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.errors import CapacityError
 
 
@@ -18,7 +21,7 @@ class SlotKVCache:
     """Fixed-shape K/V/β storage plus per-slot length; slots are allocated to sessions.
 
     The cache is the only writer of slot lengths: runners :meth:`advance` a slot after feeding
-    it, :meth:`replace_span` sets the length after compaction, :meth:`allocate` / :meth:`release`
+    it, :meth:`replace_span` / :meth:`replace_spans` set the length after compaction, :meth:`allocate` / :meth:`release`
     reset it and :meth:`copy_slot` copies it. Everyone else reads it with :meth:`length`.
 
     Args:
@@ -191,3 +194,109 @@ class SlotKVCache:
         self.beta[slot, :, :, new:old] = 0.0
         self._lengths[slot] = new
         return new
+
+    def replace_spans(
+        self,
+        slots: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        beta: torch.Tensor | None,
+        *,
+        nonzero: Sequence[bool] | None = None,
+    ) -> list[int]:
+        """:meth:`replace_span` for several distinct slots at once, each block ``t`` rows.
+
+        The same writes as one :meth:`replace_span` per slot, as a few indexed copies over all slots
+        (docs/engine.md, "Batched events"): every slot's suffix is gathered and put back ``end - start
+        - t`` rows earlier, every block is put at its span start, and the β rows freed at the end are
+        zeroed, each one operation for all slots, whatever their number. The indices are built on the
+        host and copied to the device without a synchronisation (:func:`upload`).
+
+        Args:
+            keys, values: the blocks ``[S, L * H_kv, t, d]``, slot ``slots[i]`` gets ``keys[i]``.
+            beta: absolute β of the blocks ``[S, L * H_kv, t]``, or ``None`` for zero β.
+            nonzero: per slot, whether its block's β is nonzero, when the caller knows it (host copies):
+                spares the device synchronisation that finds out.
+
+        Returns:
+            The slots' new lengths.
+        """
+        n = len(slots)
+        assert len(set(slots)) == n == len(spans) == keys.shape[0], (slots, spans, tuple(keys.shape))
+        if n == 1:  # slices: no index to build
+            b = None if beta is None else beta[0]
+            return [
+                self.replace_span(slots[0], spans[0], keys[0], values[0], b, nonzero=nonzero and nonzero[0])
+            ]
+        t = keys.shape[2]
+        start = torch.tensor([a for a, _ in spans])
+        end = torch.tensor([b for _, b in spans])
+        old = torch.tensor([self._lengths[s] for s in slots])
+        assert bool(((start >= 0) & (start <= end) & (end <= old)).all()), (spans, old)
+        slot = torch.tensor(list(slots))
+        new = start + t + old - end
+        tail = torch.where(start + t == end, 0, old - end)  # a block as long as its span moves nothing
+        t_slot, src, dst = _segments(slot, end, start + t, tail)
+        z_slot, z_row, _ = _segments(slot, new, new, old - new)  # β rows freed at the end
+        rows = start[:, None] + torch.arange(t)
+        t_slot, src, dst, z_slot, z_row, slot, rows = upload(
+            [t_slot, src, dst, z_slot, z_row, slot, rows], self.k.device
+        )
+        lh = self.n_layers * self.n_kv_heads
+        # [slot, row, L * H_kv, ...] views: an indexed row carries every layer and head
+        bufs = [
+            buf.view(self.max_slots, lh, self.capacity, -1).transpose(1, 2)
+            for buf in (self.k, self.v, self.beta)
+        ]
+        if src.numel():
+            words = [as_words(buf) for buf in bufs]
+            for buf, moved in [(w, w[t_slot, src]) for w in words]:  # gathered before any write
+                buf[t_slot, dst] = moved
+        if t:
+            bk, bv, bb = bufs
+            _put(bk, (slot[:, None], rows), keys.to(self.k.dtype).transpose(1, 2))
+            _put(bv, (slot[:, None], rows), values.to(self.v.dtype).transpose(1, 2))
+            if beta is None:
+                bb[slot[:, None], rows] = 0.0
+            else:
+                bb[slot[:, None], rows] = beta.transpose(1, 2)[..., None].to(torch.float32)
+                found = nonzero if nonzero is not None else (beta.flatten(1).abs().amax(1) > 0).tolist()
+                for s, f in zip(slots, found):
+                    self.has_beta[s] = self.has_beta[s] or bool(f)
+        if z_row.numel():
+            bufs[2][z_slot, z_row] = 0.0
+        lengths = new.tolist()
+        for s, m in zip(slots, lengths):
+            self._lengths[s] = m
+        return lengths
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dim's bytes seen as int64 words when they divide (the same bytes, a view).
+
+    PyTorch's indexed copies move one element per thread; moving a bfloat16 row of keys as 8-byte
+    words moves 4 elements per thread (K/V rows are whole head dims: 256 bytes for ``d = 128``).
+    """
+    if x.element_size() < 8 and x.stride(-1) == 1 and x.shape[-1] * x.element_size() % 8 == 0:
+        return x.view(torch.int64)
+    return x
+
+
+def _put(buf: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
+    """``buf[index] = value``, as words where both are seen as words (:func:`as_words`)."""
+    words, value_words = as_words(buf), as_words(value)
+    if words.dtype == value_words.dtype:
+        buf, value = words, value_words
+    buf[index] = value
+
+
+def _segments(
+    slot: torch.Tensor, src_start: torch.Tensor, dst_start: torch.Tensor, length: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row ranges of several slots flattened: ``(slot, src, dst)`` of every row ``j < length[i]``,
+    ``src = src_start[i] + j``, ``dst = dst_start[i] + j`` (host tensors)."""
+    seg = torch.repeat_interleave(torch.arange(len(slot)), length)
+    offset = torch.cumsum(length, 0) - length
+    j = torch.arange(len(seg)) - offset[seg]
+    return slot[seg], src_start[seg] + j, dst_start[seg] + j
