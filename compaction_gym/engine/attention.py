@@ -99,6 +99,49 @@ def grouped_sdpa(
     return out.to(query.dtype).reshape(batch, q_heads, n, -1).transpose(1, 2)
 
 
+#: Head-dim columns that carry β in :func:`folded_bias_sdpa`: three half-precision terms, then zeros
+#: to keep the head dim a multiple of 8 (what the fused attention kernels take).
+BIAS_COLUMNS, FOLD_PAD = 3, 8
+
+
+def folded_bias_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """:func:`~compaction_gym.engine.attention.grouped_sdpa` with a per-key bias ``[B, H_kv, S]``
+    (β) added to the logits, in the inputs' half precision.
+
+    The bias rides in extra head-dim columns: ``q' = [q, 1, 1, 1, 0…]`` and
+    ``k' = [k, r₁, r₂, r₃, 0…]`` with ``r₁ + r₂ + r₃ = β / scale`` (three half-precision terms: ~24
+    bits, float32's precision), so ``scale · q'·k' = scale · q·k + β`` is formed in the kernel's
+    float32 accumulator, as the engine's decode kernels form ``S + β``. Nothing ``[B, H, N, S]``
+    sized is built per layer, and the product runs on the fused half-precision kernels instead of
+    float32 attention over float32 copies of q, k and v (docs/grpo.md, "Replay in one pass"). Replay
+    takes it for half-precision models; ``mask`` is additive, broadcastable to ``[B, H_kv, G·N, S]``."""
+    d = query.shape[-1]
+    scale = scaling if scaling is not None else d**-0.5
+    rest = bias.float() / scale
+    terms = []
+    for _ in range(BIAS_COLUMNS):
+        term = rest.to(key.dtype)
+        terms.append(term)
+        rest = rest - term.float()
+    pad = FOLD_PAD - BIAS_COLUMNS
+    key = torch.cat([key, torch.stack(terms, -1), key.new_zeros(*key.shape[:-1], pad)], -1)
+    ones = query.new_ones(*query.shape[:-1], BIAS_COLUMNS)
+    query = torch.cat([query, ones, query.new_zeros(*query.shape[:-1], pad)], -1)
+    dv = value.shape[-1]
+    value = torch.cat([value, value.new_zeros(*value.shape[:-1], FOLD_PAD)], -1)
+    return grouped_sdpa(query, key, value, mask, scaling=scale, dropout=dropout)[..., :dv]
+
+
+
 class SlotCache(Cache):
     """A transformers ``Cache`` whose ``update`` reads and writes the engine's slot cache."""
 

@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from compaction_gym.engine.attention import grouped_sdpa
+from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 
 #: The ``attn_implementation`` name replay switches a model to (only inside :func:`use_attention`).
 REPLAY_ATTENTION = "compaction_gym_replay"
@@ -116,6 +116,9 @@ def replay_attention(
     v = value if past_v is None else torch.cat([past_v, value], dim=2)
     if r.beta is None:
         return grouped_sdpa(query, k, v, r.mask.to(query.dtype), scaling=scaling, dropout=dropout), None
+    if query.dtype in (torch.bfloat16, torch.float16) and k.dtype == query.dtype:  # β inside the half product
+        out = folded_bias_sdpa(query, k, v, r.beta[layer], r.mask.to(query.dtype), scaling=scaling, dropout=dropout)
+        return out, None
     # as the engine: β is float32, so the product runs in (at least) float32, and an enclosing
     # autocast must not recast it
     dtype = torch.promote_types(query.dtype, torch.float32)

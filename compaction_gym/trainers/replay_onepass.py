@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from compaction_gym.compaction.scoring import attention_logits
 from compaction_gym.compaction.values import SOLVE_DTYPE, cholesky_solve_ex, compute_dtype, normal_matrix
-from compaction_gym.engine.attention import grouped_sdpa
+from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
@@ -371,7 +371,7 @@ class OnePassReplay:
             out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
         elif flat_q.dtype in (torch.bfloat16, torch.float16):  # β inside the half-precision product
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
-            out = folded_bias_sdpa(qp, kp, vp, bias, self._mask(b, flat_q.dtype, Hq // H), scaling)
+            out = folded_bias_sdpa(qp, kp, vp, bias, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
         else:  # β: float32 product, as the engine and the segment replay
             dtype = torch.promote_types(flat_q.dtype, torch.float32)
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, 1, b.width).transpose(0, 1)
@@ -489,39 +489,6 @@ class OnePassReplay:
         m, ok = _wide_solve(a, rhs)
         self.failed.append(~ok)
         return m.to(compute_dtype(keys.dtype))
-
-
-#: Head-dim columns that carry β in :func:`folded_bias_sdpa`: three half-precision terms, then zeros
-#: to keep the head dim a multiple of 8 (what the fused attention kernels take).
-BIAS_COLUMNS, FOLD_PAD = 3, 8
-
-
-def folded_bias_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                     mask: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
-    """:func:`~compaction_gym.engine.attention.grouped_sdpa` with a per-key bias ``[B, H_kv, S]``
-    (β) added to the logits, in the inputs' half precision.
-
-    The bias rides in extra head-dim columns: ``q' = [q, 1, 1, 1, 0…]`` and
-    ``k' = [k, r₁, r₂, r₃, 0…]`` with ``r₁ + r₂ + r₃ = β / scale`` (three half-precision terms: ~24
-    bits, float32's precision), so ``scale · q'·k' = scale · q·k + β`` is formed in the kernel's
-    float32 accumulator, as the engine's decode kernels form ``S + β``. Nothing ``[B, H, N, S]``
-    sized is built per layer, and the product runs on the fused half-precision kernels instead of
-    float32 attention over float32 copies of q, k and v (docs/grpo.md, "Replay in one pass")."""
-    d = query.shape[-1]
-    scale = scaling if scaling is not None else d**-0.5
-    rest = bias.float() / scale
-    terms = []
-    for _ in range(BIAS_COLUMNS):
-        term = rest.to(key.dtype)
-        terms.append(term)
-        rest = rest - term.float()
-    pad = FOLD_PAD - BIAS_COLUMNS
-    key = torch.cat([key, torch.stack(terms, -1), key.new_zeros(*key.shape[:-1], pad)], -1)
-    ones = query.new_ones(*query.shape[:-1], BIAS_COLUMNS)
-    query = torch.cat([query, ones, query.new_zeros(*query.shape[:-1], pad)], -1)
-    dv = value.shape[-1]
-    value = torch.cat([value, value.new_zeros(*value.shape[:-1], FOLD_PAD)], -1)
-    return grouped_sdpa(query, key, value, mask, scaling=scale)[..., :dv]
 
 
 def _wide_solve(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

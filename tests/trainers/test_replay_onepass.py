@@ -215,8 +215,7 @@ def test_the_wide_solve_matches_a_float64_reference(width):
 def test_beta_folded_into_the_half_precision_product(dtype):
     """β carried by extra head-dim columns equals the float32 attention with β added to the logits
     (to the half-precision output's rounding), and differs from attention without β."""
-    from compaction_gym.engine.attention import grouped_sdpa
-    from compaction_gym.trainers.replay_onepass import folded_bias_sdpa
+    from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 
     g = torch.Generator().manual_seed(0)
     B, Hq, H, N, S, d = 3, 4, 2, 5, 9, 16
@@ -226,7 +225,7 @@ def test_beta_folded_into_the_half_precision_product(dtype):
     allowed[..., 0] = True
     mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     ref = grouped_sdpa(q, k, v, mask + beta[:, :, None, :], scaling=0.3, compute_dtype=torch.float32)
-    out = folded_bias_sdpa(q, k, v, beta, mask.to(dtype), 0.3)
+    out = folded_bias_sdpa(q, k, v, beta, mask.to(dtype), scaling=0.3)
     plain = grouped_sdpa(q, k, v, mask.to(dtype), scaling=0.3)
     tol = 2 * torch.finfo(dtype).eps * ref.float().abs().max().item()
     assert out.shape == ref.shape and out.dtype == dtype
