@@ -212,18 +212,24 @@ def beta_weights(
     count when the design's other rows are zero padding (the guard then applies per row).
     """
     batch, n, t = design.shape
-    ones = torch.ones(batch, t, dtype=design.dtype, device=design.device)
     if n < min_probes_per_key * t:
-        return ones
+        return torch.ones(batch, t, dtype=design.dtype, device=design.device)
     gram, rhs = regularised_system(design.mT @ design, design.sum(1), ridge)
     if bounds is None:
         w = nnls(gram, rhs)
     else:
         w = nnls(gram, rhs, lower=math.exp(bounds[0]), upper=math.exp(bounds[1]))
-    w = keep_if_better(w, gram, rhs)
-    if probes is not None:
-        w = torch.where((probes < min_probes_per_key * t)[:, None], ones, w)
-    return w
+    return probe_guard(keep_if_better(w, gram, rhs), probes, min_probes_per_key)
+
+
+def probe_guard(
+    w: torch.Tensor, probes: torch.Tensor | None, min_probes_per_key: float = BETA_MIN_PROBES_PER_KEY
+) -> torch.Tensor:
+    """``w`` ``[B, t]`` with ``1`` (no change) in the rows with fewer than ``min_probes_per_key · t``
+    real probes ``probes`` ``[B]`` (rows of a design padded with zero rows); ``w`` when ``None``."""
+    if probes is None:
+        return w
+    return torch.where((probes < min_probes_per_key * w.shape[-1])[:, None], torch.ones_like(w), w)
 
 
 def regularised_system(

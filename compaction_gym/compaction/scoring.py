@@ -21,6 +21,25 @@ def attention_logits(
     return raw, raw + key_bias.to(dtype)[:, None, :]
 
 
+def half_product(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """``Q Kᵀ`` ``[B, n, T]`` in float32 from half-precision CUDA ``queries`` ``[B, n, d]`` and
+    ``keys`` ``[B, T, d]`` without float32 copies of them: the products of half-precision values
+    are exact in the float32 accumulator, so this is the float32 product of the copies up to the
+    order of accumulation. ``None``
+    where it does not apply (CPU, other dtypes, gradients: the product has no autograd formula).
+
+    The reference :func:`attention_logits` keeps its float32 copies: a different accumulation
+    order there moves near-tied selections between the reference and the fused path."""
+    if not (keys.is_cuda and keys.dtype in (torch.bfloat16, torch.float16) and queries.dtype == keys.dtype):
+        return None
+    if torch.is_grad_enabled() and (keys.requires_grad or queries.requires_grad):
+        return None
+    try:
+        return torch.bmm(queries, keys.transpose(1, 2), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # a torch without the mixed-dtype product
+        return None
+
+
 def importance(
     logits: torch.Tensor, span: tuple[int, int], query_mask: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -60,8 +60,20 @@ def normal_matrix(
 def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Solve ``a c = rhs`` for symmetric positive definite ``a`` ``[B, t, t]``: a Cholesky factor
     and two triangular solves, with no host synchronisation (unlike ``torch.cholesky_solve``,
-    which checks on the host). Returns ``c`` and which problems succeeded (factored, finite)."""
+    which checks on the host). Returns ``c`` and which problems succeeded (factored, finite).
+
+    In float64 with a right-hand side wider than the system (``w > t``, e.g. replay's value maps)
+    the factor is inverted instead (one triangular solve with ``t`` columns rather than two with
+    ``w``) and applied as two batched products: the explicit inverse costs ``cond · eps`` ≈ 1e-12
+    at the ridge's floor, nothing measurable (in float32 it would not be, so float32 keeps the
+    solves)."""
     chol, info = torch.linalg.cholesky_ex(a)
+    t = a.shape[-1]
+    if a.dtype == torch.float64 and rhs.shape[-1] > t:
+        eye = torch.eye(t, dtype=a.dtype, device=a.device).expand_as(a)
+        inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+        # a finite inverse maps a finite right-hand side to a finite solution
+        return inv.mT @ (inv @ rhs), (info == 0) & inv.isfinite().all(-1).all(-1)
     half = torch.linalg.solve_triangular(chol, rhs, upper=False)
     sol = torch.linalg.solve_triangular(chol.mT, half, upper=True)
     return sol, (info == 0) & sol.isfinite().all(-1).all(-1)

@@ -31,7 +31,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from compaction_gym.compaction.scoring import attention_logits
+from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, cholesky_solve_ex, compute_dtype, normal_matrix
 from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
@@ -472,7 +472,13 @@ class OnePassReplay:
         if g.bias is not None:
             bias = g.bias.at(layer, H).expand(H, -1).reshape(H, g.count, g.width).transpose(0, 1)
             bias = bias.reshape(g.count * H, g.width)
-        raw, logits = _probe_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
+        raw = half_product(probes.to(span_keys.dtype), span_keys)  # no float32 copies when it applies
+        if raw is not None:
+            raw.mul_(self.scale)
+            logits = raw if bias is None else raw + bias.float()[:, None, :]
+        else:
+            with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
+                raw, logits = attention_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
         kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
         if g.beta is None:
             kept_logits = torch.gather(logits, 2, kept)
@@ -486,38 +492,9 @@ class OnePassReplay:
         a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
         rhs = (x.mT @ attn).to(SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
         rhs.scatter_add_(2, g.kept[layer][:, :, None], lam[:, None, None].expand(-1, g.target, 1))
-        m, ok = _wide_solve(a, rhs)
+        m, ok = cholesky_solve_ex(a, rhs)  # float64, w > t: through the factor's inverse
         self.failed.append(~ok)
         return m.to(compute_dtype(keys.dtype))
-
-
-def _wide_solve(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~compaction_gym.compaction.values.cholesky_solve_ex` for right-hand sides wider than
-    the system (``w > t``): the factor's inverse ``L⁻¹`` (a triangular solve with ``t`` columns instead
-    of two with ``w``), then ``L⁻ᵀ(L⁻¹ rhs)`` as two batched products. In float64 the explicit
-    inverse costs nothing measurable in accuracy (``cond · eps`` ≈ 1e-12 at the ridge's floor)."""
-    t, w = a.shape[-1], rhs.shape[-1]
-    if w <= t:
-        return cholesky_solve_ex(a, rhs)
-    chol, info = torch.linalg.cholesky_ex(a)
-    eye = torch.eye(t, dtype=a.dtype, device=a.device).expand_as(a)
-    inv = torch.linalg.solve_triangular(chol, eye, upper=False)
-    # a finite inverse maps a finite right-hand side (probabilities) to a finite solution
-    return inv.mT @ (inv @ rhs), (info == 0) & inv.isfinite().all(-1).all(-1)
-
-
-def _probe_logits(keys: torch.Tensor, probes: torch.Tensor, scale: float,
-                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`~compaction_gym.compaction.scoring.attention_logits` without float32 copies of
-    half-precision inputs on CUDA: a half-precision product with a float32 output (exact products,
-    float32 accumulation, as the TF32 product of the copies), scaled in place. (That product has no
-    autograd formula: with gradients the copies stay.)"""
-    grad = torch.is_grad_enabled() and (keys.requires_grad or probes.requires_grad)
-    if keys.is_cuda and keys.dtype in (torch.bfloat16, torch.float16) and not grad:
-        raw = torch.bmm(probes, keys.mT, out_dtype=torch.float32).mul_(scale)
-        return raw, (raw if bias is None else raw + bias.float()[:, None, :])
-    with _exact_tf32(keys.dtype):
-        return attention_logits(keys, probes, scale, bias)
 
 
 @contextmanager

@@ -218,3 +218,22 @@ def test_query_mask_fits_each_problem_from_its_real_probes(beta):
     assert (unmasked - want).abs().max().item() > 1e-3  # the padding rows do matter without the mask
     with pytest.raises(InvalidArgumentError, match="query_mask"):
         fit_values(keys, values, queries, span, idx, query_mask=mask.float())
+
+
+@pytest.mark.parametrize("width", [3, 8, 40])
+def test_cholesky_solve_ex_matches_a_float64_reference_at_any_width(width):
+    """Narrow right-hand sides by the two triangular solves, wide ones (replay's value maps) through
+    the factor's inverse: both against ``torch.linalg.solve`` on ill-conditioned ridge systems."""
+    from compaction_gym.compaction.values import cholesky_solve_ex, normal_matrix
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.softmax(4 * torch.randn(5, 12, 8, generator=g, dtype=torch.float64), -1)
+    a, _ = normal_matrix(x, 1e-4)
+    rhs = torch.randn(5, 8, width, generator=g, dtype=torch.float64)
+    sol, ok = cholesky_solve_ex(a, rhs)
+    assert ok.all()
+    ref = torch.linalg.solve(a, rhs)
+    assert torch.allclose(sol, ref, rtol=1e-9, atol=1e-9 * ref.abs().max().item())
+    bad = a.clone()
+    bad[0] = -torch.eye(8, dtype=torch.float64)  # not positive definite: flagged, no exception
+    assert cholesky_solve_ex(bad, rhs)[1].tolist() == [False, True, True, True, True]

@@ -177,38 +177,18 @@ def test_a_failed_solve_falls_back_to_the_segments(engine, model, monkeypatch, c
     has the pseudo-inverse fallback), found once after the forward."""
     import compaction_gym.trainers.replay_onepass as onepass
 
-    real = onepass._wide_solve
+    real = onepass.cholesky_solve_ex
 
     def failing(a, rhs):
         sol, ok = real(a, rhs)
         return sol, ok & False
 
-    monkeypatch.setattr(onepass, "_wide_solve", failing)
+    monkeypatch.setattr(onepass, "cholesky_solve_ex", failing)
     view = plain_session(engine, config("attention_matching", "kv_budget"), seed=18, turns=3)
     with caplog.at_level("WARNING"):
         lp = replay_logprobs(model, view, method="one_pass")
     assert "replaying by segments" in caplog.text
     assert torch.equal(lp, replay_logprobs(model, view, method="segments"))
-
-
-@pytest.mark.parametrize("width", [3, 8, 40])
-def test_the_wide_solve_matches_a_float64_reference(width):
-    """The value maps' solve (through the factor's inverse when the right-hand side is wider than the
-    system) against ``torch.linalg.solve`` in float64, on ill-conditioned ridge systems."""
-    from compaction_gym.compaction.values import normal_matrix
-    from compaction_gym.trainers.replay_onepass import _wide_solve
-
-    g = torch.Generator().manual_seed(width)
-    x = torch.softmax(4 * torch.randn(5, 12, 8, generator=g, dtype=torch.float64), -1)
-    a, _ = normal_matrix(x, 1e-4)
-    rhs = torch.randn(5, 8, width, generator=g, dtype=torch.float64)
-    sol, ok = _wide_solve(a, rhs)
-    assert ok.all()
-    ref = torch.linalg.solve(a, rhs)
-    assert torch.allclose(sol, ref, rtol=1e-9, atol=1e-9 * ref.abs().max().item())
-    bad = a.clone()
-    bad[0] = -torch.eye(8, dtype=torch.float64)  # not positive definite: flagged, no exception
-    assert _wide_solve(bad, rhs)[1].tolist() == [False, True, True, True, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -40,8 +40,10 @@ from compaction_gym.compaction.beta import (
     BETA_MIN_PROBES_PER_KEY,
     BETA_RIDGE,
     keep_if_better,
+    probe_guard,
     regularised_system,
 )
+from compaction_gym.compaction.scoring import half_product
 from compaction_gym.compaction.values import ridge_solve_ex
 from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
@@ -197,12 +199,10 @@ def _logits_at(
 ) -> torch.Tensor:
     """Raw float32 logits ``[B, n, t]`` of the probes against the keys at ``indices``."""
     kept = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
-    if keys.dtype in (torch.bfloat16, torch.float16) and keys.is_cuda:
-        try:  # half-precision products are exact in a float32 accumulator
-            return torch.bmm(queries, kept.transpose(1, 2), out_dtype=torch.float32) * scale
-        except (TypeError, RuntimeError):
-            pass
-    return torch.bmm(queries.float(), kept.float().transpose(1, 2)) * scale
+    raw = half_product(queries, kept)
+    if raw is None:
+        raw = torch.bmm(queries.float(), kept.float().transpose(1, 2))
+    return raw * scale
 
 
 def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +234,8 @@ def fast_beta_weights(
     counts each row's real probes.
     """
     batch, n, t = biased.shape
-    ones = torch.ones(batch, t, dtype=torch.float32, device=biased.device)
     if n < BETA_MIN_PROBES_PER_KEY * t:  # probe guard: keep the old bias
-        return ones
+        return torch.ones(batch, t, dtype=torch.float32, device=biased.device)
     design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
     if query_mask is not None:
         design.mul_(query_mask[:, :, None])
@@ -245,10 +244,7 @@ def fast_beta_weights(
         gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
         lower=math.exp(BETA_BOUNDS[0]), upper=math.exp(BETA_BOUNDS[1]),
     )  # fmt: skip
-    w = keep_if_better(w, gram, rhs)
-    if query_mask is not None:
-        w = torch.where((query_mask.sum(1) < BETA_MIN_PROBES_PER_KEY * t)[:, None], ones, w)
-    return w
+    return probe_guard(keep_if_better(w, gram, rhs), None if query_mask is None else query_mask.sum(1))
 
 
 def compact_fast(
