@@ -68,15 +68,23 @@ def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor,
     at the ridge's floor, nothing measurable (in float32 it would not be, so float32 keeps the
     solves)."""
     chol, info = torch.linalg.cholesky_ex(a)
-    t = a.shape[-1]
-    if a.dtype == torch.float64 and rhs.shape[-1] > t:
-        eye = torch.eye(t, dtype=a.dtype, device=a.device).expand_as(a)
+    sol, finite = factor_solve(chol, rhs)
+    return sol, (info == 0) & finite
+
+
+def factor_solve(chol: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve ``a c = rhs`` from ``a``'s lower Cholesky factor ``chol`` as :func:`cholesky_solve_ex`
+    does (through the factor's inverse in float64 when ``w > t``). Returns ``c`` and which
+    problems' results are finite."""
+    t = chol.shape[-1]
+    if chol.dtype == torch.float64 and rhs.shape[-1] > t:
+        eye = torch.eye(t, dtype=chol.dtype, device=chol.device).expand_as(chol)
         inv = torch.linalg.solve_triangular(chol, eye, upper=False)
         # a finite inverse maps a finite right-hand side to a finite solution
-        return inv.mT @ (inv @ rhs), (info == 0) & inv.isfinite().all(-1).all(-1)
+        return inv.mT @ (inv @ rhs), inv.isfinite().all(-1).all(-1)
     half = torch.linalg.solve_triangular(chol, rhs, upper=False)
     sol = torch.linalg.solve_triangular(chol.mT, half, upper=True)
-    return sol, (info == 0) & sol.isfinite().all(-1).all(-1)
+    return sol, sol.isfinite().all(-1).all(-1)
 
 
 def ridge_solve_ex(

@@ -21,23 +21,27 @@ and gradients); docs/grpo.md, "Replay in one pass".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
-from compaction_gym.compaction.values import SOLVE_DTYPE, cholesky_solve_ex, compute_dtype, normal_matrix
+from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
 from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
 BUCKET_SPREAD = 1.3
+#: For half-precision models, the gradients through the value maps and the C2 chain take TF32
+#: products (the forward stays float32-exact); docs/grpo.md, "Replay in one pass".
+TF32_BACKWARD = True
 
 
 @dataclass
@@ -399,12 +403,14 @@ class OnePassReplay:
             query, keys, values = query.detach(), keys.detach(), values.detach()
         H, dv = keys.shape[0], values.shape[-1]
         cdt = compute_dtype(values.dtype)
+        tf32 = TF32_BACKWARD and values.dtype in (torch.bfloat16, torch.float16)
+        product = partial(_product, tf32) if grad else _plain_product
         with torch.set_grad_enabled(grad), torch.autocast(query.device.type, enabled=False):
             with record_function("replay.value_maps"):
                 maps = []
                 for g in self.groups:
                     if grad:  # the solves' intermediates are large: recompute them in backward
-                        m = checkpoint(self._value_map, g, layer, query, keys, use_reentrant=False)
+                        m = _ValueMap.apply(self, g, layer, tf32, query, keys)
                     else:
                         m = self._value_map(g, layer, query, keys)
                     maps.append(m)
@@ -412,11 +418,15 @@ class OnePassReplay:
                 raw, fit = [], []
                 for g, m in zip(self.groups, maps):
                     span = _per_event(_gather_rows(values, g.raw_idx[None]), g.count, g.width).to(cdt)
-                    raw.append(_masked(m, g.raw_mask, g.count) @ span)  # the raw columns' share, all levels
+                    raw.append(product(None, _masked(m, g.raw_mask, g.count), span))  # the raw columns' share
                     if g.fit_cols is not None:  # the fitted columns' maps, [E·H, t, f]
                         fit.append(_masked(torch.gather(m, 2, g.fit_cols), g.fit_valid, g.count))
                     else:
                         fit.append(None)
+                # per group, its levels' events (one split: a slice each would cost a zero-filled
+                # gradient of the whole tensor per slice in backward)
+                raw = [_by_level(r, g, H) for g, r in zip(self.groups, raw)]
+                fit = [None if f is None else _by_level(f, g, H) for g, f in zip(self.groups, fit)]
                 flat: dict[int, torch.Tensor] = {}  # level -> event-major C2 rows [Σ E·H·t, d_v]
                 for lv in self.levels:
                     parts = []
@@ -424,24 +434,19 @@ class OnePassReplay:
                         if lv not in g.slices:
                             continue
                         lo, hi = g.slices[lv]
-                        c2 = r[lo * H : hi * H]
+                        c2 = r[lv]
                         if lv in g.chain:
                             refs, rows = g.chain[lv]
                             src = flat[refs[0]] if len(refs) == 1 else torch.cat([flat[x] for x in refs])
                             prev = src.index_select(0, rows).reshape((hi - lo) * H, -1, dv).to(cdt)
-                            c2 = torch.baddbmm(c2, mf[lo * H : hi * H], prev)
+                            c2 = product(c2, mf[lv], prev)
                         parts.append(c2.to(values.dtype).reshape(-1, dv))
                     flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 out = []
                 for lv in self.levels:  # [H, rows, d_v] for the attention's value rows
-                    parts, at = [], 0
-                    for g in self.groups:
-                        if lv in g.slices:
-                            lo, hi = g.slices[lv]
-                            n = (hi - lo) * H * g.target
-                            part = flat[lv][at : at + n].reshape(hi - lo, H, g.target, dv).transpose(0, 1)
-                            parts.append(part.reshape(H, -1, dv))
-                            at += n
+                    shapes = [(hi - lo, g.target) for g in self.groups if lv in g.slices for lo, hi in [g.slices[lv]]]
+                    pieces = flat[lv].split([e * H * t for e, t in shapes]) if len(shapes) > 1 else [flat[lv]]
+                    parts = [p.reshape(e, H, t, dv).transpose(0, 1).reshape(H, -1, dv) for p, (e, t) in zip(pieces, shapes)]
                     out.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
         return out
 
@@ -451,6 +456,19 @@ class OnePassReplay:
         The normal equations of :func:`~compaction_gym.compaction.values.fit_values` with the
         probes' span attention ``P`` and the selection ``S`` in place of ``P·V`` and ``S·V``.
         """
+        with record_function("replay.value_maps.designs"):
+            probes, span_keys, mask, bias = self._map_inputs(g, layer, query, keys)
+            _, x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
+        with record_function("replay.value_maps.solve"):
+            m, ok, _, _ = self._map_solve(g, layer, x, attn)
+        self.failed.append(~ok)
+        return m.to(compute_dtype(keys.dtype))
+
+    def _map_inputs(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
+    ]:  # fmt: skip
+        """The group's probes ``[E·H, n, d]``, span keys ``[E·H, w, d]``, padding-probe mask
+        ``[E·H, n]`` and β of the span's rows ``[E·H, w]`` (``None`` where absent)."""
         H, d = keys.shape[0], keys.shape[-1]
         span_keys = _per_event(_gather_rows(keys, g.keys.at(layer, H)), g.count, g.width)
         mask = g.probe_mask
@@ -472,36 +490,128 @@ class OnePassReplay:
         if g.bias is not None:
             bias = g.bias.at(layer, H).expand(H, -1).reshape(H, g.count, g.width).transpose(0, 1)
             bias = bias.reshape(g.count * H, g.width)
-        raw = half_product(probes.to(span_keys.dtype), span_keys)  # no float32 copies when it applies
+        return probes.to(span_keys.dtype), span_keys, mask, bias
+
+    def _map_designs(self, g: _Group, layer: int, probes: torch.Tensor, span_keys: torch.Tensor,
+                     mask: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor
+    ]:  # fmt: skip
+        """The kept keys' softmax before the padding mask, the design ``X`` ``[E·H, n, t]`` (padding
+        probes' rows zero) and the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
+        raw = half_product(probes, span_keys)  # no float32 copies when it applies
         if raw is not None:
             raw.mul_(self.scale)
             logits = raw if bias is None else raw + bias.float()[:, None, :]
         else:
             with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
-                raw, logits = attention_logits(span_keys, probes.to(span_keys.dtype), self.scale, bias)
+                raw, logits = attention_logits(span_keys, probes, self.scale, bias)
         kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
         if g.beta is None:
             kept_logits = torch.gather(logits, 2, kept)
         else:
             kept_logits = torch.gather(raw, 2, kept) + g.beta[layer].to(raw.dtype)[:, None, :]
-        x = torch.softmax(kept_logits, dim=-1)
+        xs = torch.softmax(kept_logits, dim=-1)
         attn = torch.softmax(logits, dim=-1)
-        if mask is not None:  # padding probes: zero rows of the design drop out of xᵀx and xᵀP
-            x = x * mask[:, :, None].to(x.dtype)
+        x = xs if mask is None else xs * mask[:, :, None].to(xs.dtype)  # padding probes drop out
+        return xs, x, attn
+
+    def _map_solve(self, g: _Group, layer: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ]:  # fmt: skip
+        """``M = (XᵀX + λI)⁻¹ (XᵀP + λS)`` in float64; returns ``M``, which problems factored, the
+        Cholesky factor and ``κ = λ / tr(XᵀX)``."""
         x64 = x.to(SOLVE_DTYPE)
         a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
         rhs = (x.mT @ attn).to(SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
         rhs.scatter_add_(2, g.kept[layer][:, :, None], lam[:, None, None].expand(-1, g.target, 1))
-        m, ok = cholesky_solve_ex(a, rhs)  # float64, w > t: through the factor's inverse
-        self.failed.append(~ok)
-        return m.to(compute_dtype(keys.dtype))
+        chol, info = torch.linalg.cholesky_ex(a)
+        m, finite = factor_solve(chol, rhs)  # float64, w > t: through the factor's inverse
+        trace = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1) - lam * a.shape[-1]  # tr(XᵀX)
+        kappa = torch.where(trace > 0, lam / trace, torch.zeros_like(lam))
+        return m, (info == 0) & finite, chol, kappa
+
+
+class _ValueMap(torch.autograd.Function):
+    """A group's value maps with a hand-written backward (docs/grpo.md, "Replay in one pass").
+
+    Saves only the Cholesky factor, ``λ`` and ``M``; the backward recomputes the designs (the
+    ``[E·H, n, w]`` attention is too large to keep for every layer) and differentiates
+    ``M = A⁻¹R``, ``A = XᵀX + λI``, ``R = XᵀP + λS``, ``λ = κ·tr(XᵀX)``:
+    ``dR = A⁻¹dM``, ``dA = −dR·Mᵀ``, ``dX = P·dRᵀ + X(dA + dAᵀ) + 2κ·dλ·X``, ``dP = X·dR`` with
+    ``dλ = tr(dA) + Σ_j dR[j, kept_j]``, then through both softmaxes and the logits' product to the
+    probes and span keys, and by autograd through their gathers to the layer's queries and keys.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, replay: OnePassReplay, g: _Group, layer: int, tf32: bool, query: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        with record_function("replay.value_maps.designs"):
+            probes, span_keys, mask, bias = replay._map_inputs(g, layer, query, keys)
+            _, x, attn = replay._map_designs(g, layer, probes, span_keys, mask, bias)
+        with record_function("replay.value_maps.solve"):
+            m, ok, chol, kappa = replay._map_solve(g, layer, x, attn)
+        replay.failed.append(~ok)
+        out = m.to(compute_dtype(keys.dtype))
+        ctx.replay, ctx.g, ctx.layer, ctx.tf32 = replay, g, layer, tf32
+        ctx.save_for_backward(query, keys, chol, kappa, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dm: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        replay, g, layer = ctx.replay, ctx.g, ctx.layer
+        query, keys, chol, kappa, m = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
+        q, k = (t.detach().requires_grad_(n) for t, n in zip((query, keys), needs))
+        off = torch.autocast(dm.device.type, enabled=False)
+        with record_function("replay.value_maps.backward.recompute"), off:
+            with torch.enable_grad():
+                probes, span_keys, mask, bias = replay._map_inputs(g, layer, q, k)
+            with torch.no_grad():
+                xs, x, attn = replay._map_designs(g, layer, probes.detach(), span_keys.detach(), mask, bias)
+        with record_function("replay.value_maps.backward.solve"), torch.no_grad(), off:
+            cdt = x.dtype
+            kept = g.kept[layer]  # [E·H, t]
+            d_r, _ = factor_solve(chol, dm.to(chol.dtype))  # A⁻¹ dM, float64 [E·H, t, w]
+            d_a = -(d_r @ m.to(d_r.dtype).mT)
+            d_lam = torch.diagonal(d_a, dim1=-2, dim2=-1).sum(-1)  # λ in A ...
+            d_lam += torch.gather(d_r, 2, kept[:, :, None]).sum((-2, -1))  # ... and in R, at the kept columns
+            d_g = (d_a + d_a.mT).to(cdt)
+            d_r = d_r.to(cdt)
+        with record_function("replay.value_maps.backward.softmax"), torch.no_grad(), off, _tf32(ctx.tf32):
+            p_dr = torch.bmm(attn, d_r.mT)  # P·dRᵀ [E·H, n, t]
+            d_x = torch.baddbmm(p_dr, x, d_g)  # from R = XᵀP and A's XᵀX
+            d_x.add_(x * (2 * kappa * d_lam).to(cdt)[:, None, None])  # from λ's trace
+            if mask is not None:
+                d_x.mul_(mask[:, :, None].to(cdt))
+            d_kept = xs * (d_x - (d_x * xs).sum(-1, keepdim=True))  # through the kept keys' softmax
+            # through P's softmax, P ⊙ (dP − Σ_w dP ⊙ P) with dP = X·dR: the row sums are Σ_j X ⊙ P·dRᵀ
+            # ([n, t], not [n, w]), and one product with −row sum as an extra column of X subtracts them
+            # (padded to a multiple of 4 columns: aligned rows keep the product on the tensor cores)
+            row = (x * p_dr).sum(-1, keepdim=True)
+            pad = (-(x.shape[-1] + 1)) % 4
+            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(replay.scale)  # d(logits · scale)
+            ones = d_r.new_ones(d_r.shape[0], 1, d_r.shape[-1])
+            rhs = torch.cat([d_r, ones, d_r.new_zeros(d_r.shape[0], pad, d_r.shape[-1])], -2)
+            d_logits = torch.bmm(lhs, rhs).mul_(attn)
+            d_kept.mul_(replay.scale)
+            d_logits.scatter_add_(2, kept[:, None, :].expand(-1, d_logits.shape[1], -1), d_kept)
+        with record_function("replay.value_maps.backward.keys"), off, _tf32(ctx.tf32):
+            with torch.no_grad():
+                d_probes = torch.bmm(d_logits, span_keys.detach().to(cdt)).to(probes.dtype)
+                d_span = torch.bmm(d_logits.mT, probes.detach().to(cdt)).to(span_keys.dtype)
+            outputs, grads = [span_keys], [d_span]
+            if probes.requires_grad:
+                outputs.append(probes)
+                grads.append(d_probes)
+            wanted = [t for t in (q, k) if t.requires_grad]
+            found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+        return None, None, None, None, *(next(found) if n else None for n in needs)
 
 
 @contextmanager
-def _exact_tf32(dtype: torch.dtype) -> Iterator[None]:
-    """Let float32 matrix products of half-precision values use TF32: a bf16/fp16 value is exact in
-    TF32's 10-bit mantissa, so the products are the float32 ones (accumulation stays float32)."""
-    if dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+def _tf32(on: bool) -> Iterator[None]:
+    """Let float32 matrix products use TF32 while ``on`` (on a CUDA machine)."""
+    if not on or not torch.cuda.is_available():
         yield
         return
     before = torch.backends.cuda.matmul.allow_tf32
@@ -510,6 +620,50 @@ def _exact_tf32(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _exact_tf32(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Let float32 matrix products of half-precision values use TF32: a bf16/fp16 value is exact in
+    TF32's 10-bit mantissa, so the products are the float32 ones (accumulation stays float32)."""
+    return _tf32(dtype in (torch.bfloat16, torch.float16))
+
+
+class _Product(torch.autograd.Function):
+    """``c + a · b`` (batched; ``c`` optional) in float32 whose backward products use TF32."""
+
+    @staticmethod
+    def forward(ctx: Any, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.has_c = c is not None
+        return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        need_c, need_a, need_b = ctx.needs_input_grad
+        with _tf32(True):
+            ga = torch.bmm(grad, b.mT) if need_a else None
+            gb = torch.bmm(a.mT, grad) if need_b else None
+        return grad if ctx.has_c and need_c else None, ga, gb
+
+
+def _product(tf32: bool, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a · b`` with gradients; the backward's products in TF32 when ``tf32``."""
+    if tf32:
+        return _Product.apply(c, a, b)
+    return _plain_product(c, a, b)
+
+
+def _plain_product(c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a · b`` (batched; ``c`` optional)."""
+    return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
+
+
+def _by_level(x: torch.Tensor, g: _Group, heads: int) -> dict[int, torch.Tensor]:
+    """``x`` ``[E·H, ...]`` (a group's events, level by level) split into each level's events."""
+    levels = sorted(g.slices)
+    sizes = [(g.slices[lv][1] - g.slices[lv][0]) * heads for lv in levels]
+    return dict(zip(levels, x.split(sizes) if len(levels) > 1 else [x]))
 
 
 def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor:
@@ -521,13 +675,12 @@ def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[h, idx[h, j]]`` ``[H, n, d]`` for ``x`` ``[H, R, d]`` and ``idx`` ``[H|1, n]``.
 
-    Row gathers (``index_select``), not ``gather``: one index per row instead of one per element,
-    and a backward of row additions (``index_add``) instead of an element scatter."""
-    if idx.shape[0] == 1:
-        return x.index_select(1, idx[0])
+    Row gathers as an embedding lookup, not ``gather``: one index per row instead of one per
+    element, and a backward that sums each source row's gradients after sorting the indices
+    (measured 1.2–1.8× faster on an H200 than ``index_select``'s ``index_add``, docs/grpo.md)."""
     H, R = x.shape[0], x.shape[1]
     flat = (idx + torch.arange(0, H * R, R, device=idx.device)[:, None]).reshape(-1)
-    return x.reshape(H * R, -1).index_select(0, flat).reshape(H, idx.shape[1], -1)
+    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(H, idx.shape[1], -1)
 
 
 def _per_event(x: torch.Tensor, events: int, width: int) -> torch.Tensor:

@@ -84,8 +84,11 @@ def test_one_pass_equals_segments_batched(engine, model, seed, mode, probes, tem
     sampling = SAMPLING.replace(temperature=temperature)
     views = [
         plain_session(
-            engine, config(mode, trigger, queries=probes, compact_target_ratio=ratio), seed=seed + k,
-            turns=turns, sampling=sampling,
+            engine,
+            config(mode, trigger, queries=probes, compact_target_ratio=ratio),
+            seed=seed + k,
+            turns=turns,
+            sampling=sampling,
         )  # fmt: skip
         for k, (trigger, turns) in enumerate((("kv_budget", 4), ("turn", 3), ("kv_budget", 2)))
     ]
@@ -121,7 +124,9 @@ def test_entropies_and_logits_match(engine, model):
 def test_one_pass_refuses_what_it_cannot_replay(engine, model):
     """``repeat`` probes need a scratch forward over the cache: ``auto`` takes the segments, an explicit
     ``one_pass`` is refused with the reason; an unknown method is named."""
-    view = plain_session(engine, config("attention_matching", "kv_budget", queries="repeat"), seed=13, turns=3)
+    view = plain_session(
+        engine, config("attention_matching", "kv_budget", queries="repeat"), seed=13, turns=3
+    )
     assert view.events and not one_pass_supported(list(view.events))
     with pytest.raises(InvalidArgumentError, match="repeat probes"):
         replay_logprobs(model, view, method="one_pass")
@@ -177,13 +182,13 @@ def test_a_failed_solve_falls_back_to_the_segments(engine, model, monkeypatch, c
     has the pseudo-inverse fallback), found once after the forward."""
     import compaction_gym.trainers.replay_onepass as onepass
 
-    real = onepass.cholesky_solve_ex
+    real = onepass.factor_solve
 
-    def failing(a, rhs):
-        sol, ok = real(a, rhs)
-        return sol, ok & False
+    def failing(chol, rhs):
+        sol, finite = real(chol, rhs)
+        return sol, finite & False
 
-    monkeypatch.setattr(onepass, "cholesky_solve_ex", failing)
+    monkeypatch.setattr(onepass, "factor_solve", failing)
     view = plain_session(engine, config("attention_matching", "kv_budget"), seed=18, turns=3)
     with caplog.at_level("WARNING"):
         lp = replay_logprobs(model, view, method="one_pass")
@@ -211,3 +216,42 @@ def test_beta_folded_into_the_half_precision_product(dtype):
     assert out.shape == ref.shape and out.dtype == dtype
     assert (out.float() - ref.float()).abs().max().item() < 4 * tol
     assert (plain.float() - ref.float()).abs().max().item() > 50 * tol
+
+
+@pytest.mark.parametrize("queries", ["suffix", "keys", "random"])
+@pytest.mark.parametrize("mode", ["attention_matching+beta", "attention_matching"])
+def test_value_map_backward_equals_autograd(engine, model, monkeypatch, mode, queries):
+    """The value maps' hand-written backward equals autograd through the same float64 math (the
+    solve, both softmaxes, the logits' product and the gathers), several chained events per
+    session, two sessions batched, the padding probes of a short suffix included."""
+    import copy
+
+    import compaction_gym.trainers.replay_onepass as onepass
+
+    views = [
+        plain_session(engine, config(mode, "kv_budget", queries=queries), seed=s, turns=4) for s in (21, 22)
+    ]
+    assert all(len(v.events) >= 2 for v in views)
+    model64 = copy.deepcopy(model).double()
+
+    def grads() -> dict[str, torch.Tensor]:
+        model64.zero_grad(set_to_none=True)
+        out = replay_logprobs_batch(model64, views, method="one_pass", grad=True, temperature=1.5)
+        torch.stack(
+            [(lp * torch.linspace(0.5, 1.5, lp.numel(), dtype=lp.dtype)).sum() for lp in out.logprobs]
+        ).sum().backward()
+        return {n: p.grad.clone() for n, p in model64.named_parameters() if p.grad is not None}
+
+    calls = []
+    real = onepass._ValueMap.apply
+    monkeypatch.setattr(onepass._ValueMap, "apply", lambda *a: calls.append(1) or real(*a))
+    hand = grads()
+    assert calls  # the hand-written backward ran
+    monkeypatch.setattr(
+        onepass._ValueMap, "apply", lambda replay, g, layer, tf32, q, k: replay._value_map(g, layer, q, k)
+    )
+    auto = grads()
+    assert hand.keys() == auto.keys() and hand
+    for name in hand:
+        scale = auto[name].abs().max().clamp_min(1e-30)
+        assert ((hand[name] - auto[name]).abs().max() / scale).item() < 1e-9, name
