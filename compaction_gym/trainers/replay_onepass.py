@@ -153,7 +153,9 @@ class OnePassReplay:
     def _value_rows(self, b: int, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
         """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``."""
         copies = 1 if self.through else 2
-        fitted = copies * self.rows + self._fitted_pos[np.clip(-1 - vsrc, 0, len(self._fitted_pos) - 1)]
+        lo, hi = self._offsets[b], self._offsets[b + 1]  # the row's fitted rows (sources -1 - j, j < hi - lo)
+        at = np.minimum(lo + np.clip(-1 - vsrc, 0, max(hi - lo - 1, 0)), len(self._fitted_pos) - 1)
+        fitted = copies * self.rows + self._fitted_pos[at]
         raw = b * self.width + vsrc + (0 if self.through else self.rows * np.asarray(block, np.int64))
         return np.where(vsrc >= 0, raw, np.where(vsrc == PER_HEAD, 0, fitted))
 
@@ -188,6 +190,7 @@ class OnePassReplay:
         self._flat_at: dict[int, tuple[int, int, int]] = {}  # fit.first -> (level, flat offset, t)
         self._level_flat_rows: dict[int, int] = {}
         self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
+        self._offsets = [*plan.fitted_offsets, plan.fitted_rows]
         self._level_start: dict[int, int] = {}
         self._level_rows: dict[int, int] = {}
         pos = 0
@@ -201,6 +204,8 @@ class OnePassReplay:
             self._level_flat_rows[lv] = flat
             self._level_rows[lv] = pos - self._level_start[lv]
         self._firsts = np.array(sorted(self._flat_at), np.int64)
+        # per fit in ``_firsts`` order: (level, flat offset, t)
+        self._meta = np.array([self._flat_at[int(f)] for f in self._firsts], np.int64).reshape(-1, 3)
 
     def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
         dev, L, H = self.device, self.n_layers, self.n_kv_heads
@@ -273,9 +278,9 @@ class OnePassReplay:
         they come from (concatenated): ``(levels, rows [E·H·f])`` (padding: row 0)."""
         H = self.n_kv_heads
         firsts = self._firsts
-        meta = np.array([self._flat_at[int(f)] for f in firsts], np.int64).reshape(-1, 3)  # level, offset, t
+        meta = self._meta
         rows = np.zeros((len(fs), H, width), np.int64)
-        ids = [-1 - f.span.vcol[f.span.vcol < 0] for f in fs]
+        ids = [self._offsets[f.row] - 1 - f.span.vcol[f.span.vcol < 0] for f in fs]
         owners = [np.searchsorted(firsts, j, side="right") - 1 for j in ids]
         refs = sorted({int(x) for o in owners for x in np.unique(meta[o, 0])})
         at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)

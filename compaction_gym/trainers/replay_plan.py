@@ -11,7 +11,7 @@ sides). So the plan below can describe every cache row the rollout ever attended
 
 * a key source: a token position,
 * a value source: a token position (``>= 0``) or a fitted row (``-1 - j``, row ``j`` of the
-  plan's C2 table),
+  trajectory's C2 table),
 * a constant bias (β; 0 for raw rows),
 
 raw rows shared by every (layer, KV head), a block's rows per head (:class:`Snapshot`),
@@ -23,7 +23,7 @@ half only gathers and solves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -64,7 +64,7 @@ class Snapshot:
     Attributes:
         kcol: ``[T]`` the raw row's token, ``-1`` on block rows.
         vcol: ``[T]`` the row's value source when every head shares it (a token ``>= 0`` or a
-            fitted row ``< 0``), :data:`PER_HEAD` otherwise.
+            fitted row ``-1 - j``, ``j`` counted within the trajectory), :data:`PER_HEAD` otherwise.
         bk, bv, bb: ``[LH, nb]`` per head, the block rows' key token, value source and bias.
     """
 
@@ -115,7 +115,7 @@ class Fit:
     kept: np.ndarray  # [LH, t] kept rows, relative to the span
     beta: np.ndarray | None  # [LH, t] recorded β, or None (kept rows keep their bias)
     probe: tuple  # ("suffix", a, b) | ("keys", Snapshot of the probe rows) | ("random", seed, index, n)
-    first: int  # its fitted rows are first .. first + t - 1
+    first: int  # its fitted rows are first .. first + t - 1 (in a TrajectorySim: of the trajectory)
     level: int  # 1 + the deepest fit whose rows its span reads (0: raw rows only)
     ridge: float
 
@@ -163,12 +163,31 @@ class TrajectoryPlan:
 
 @dataclass
 class Plan:
-    """A batch's replay plan (host side)."""
+    """A batch's replay plan (host side): the trajectories' :class:`TrajectorySim` laid end to end
+    (fits numbered across the batch, snapshot indices and rows shifted)."""
 
     rows: list[TrajectoryPlan]
     width: int  # padded sequence length
     n_layers: int
     n_kv_heads: int
+    fits: list[Fit] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    fitted_rows: int = 0
+    # per row, where its fitted rows begin: row ``b``'s value source ``-1 - j`` is fitted row
+    # ``fitted_offsets[b] + j`` of the batch (sources are numbered per trajectory, docs/grpo.md)
+    fitted_offsets: list[int] = field(default_factory=list)
+    has_bias: bool = False
+
+
+@dataclass
+class TrajectorySim:
+    """One trajectory's cache states, independent of the batch it is replayed in: its fits
+    (``row`` 0, ``first`` counted from 0), snapshots and pieces (``row`` 0, ``ctx`` into
+    ``snapshots``). Read-only once built: plans share its arrays."""
+
+    end: int
+    num_events: int = 0
     fits: list[Fit] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
@@ -186,6 +205,7 @@ def build_plan(
     n_layers: int,
     n_kv_heads: int,
     piece_queries: int = PIECE_QUERIES,
+    sims: list[TrajectorySim | None] | None = None,
 ) -> Plan:
     """Simulate every trajectory's cache through its events (validated against the records).
 
@@ -196,18 +216,38 @@ def build_plan(
         configs: per trajectory, ``(n_probe_queries, ridge)`` of its session.
         n_layers, n_kv_heads: the model's cache layout.
         piece_queries: longest query run of one attention piece.
+        sims: per trajectory, its :func:`simulate` output when already known (``None`` entries:
+            simulated here), e.g. from a :class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache`.
 
     Raises:
         InvalidArgumentError: a record that does not match what replay rebuilds (as the
             segment-by-segment replay words it).
     """
+    known = sims if sims is not None else [None] * len(trajectories)
+    out = []
+    for i, (traj, tg, (n_probe, ridge), sim) in enumerate(zip(trajectories, targets, configs, known)):
+        if sim is None:
+            sim = simulate(traj, i, tg[-1] if tg else 0, n_probe, ridge, n_layers, n_kv_heads, piece_queries)
+        out.append(sim)
+    return assemble(trajectories, out, targets=targets, temperatures=temperatures, n_layers=n_layers,
+                    n_kv_heads=n_kv_heads)  # fmt: skip
+
+
+def assemble(trajectories: list[Any], sims: list[TrajectorySim], *, targets: list[list[int]],
+             temperatures: list[float], n_layers: int, n_kv_heads: int) -> Plan:  # fmt: skip
+    """The batch's :class:`Plan` from its trajectories' simulations (no copies of their arrays)."""
     rows = []
-    for traj, tg, temp in zip(trajectories, targets, temperatures):
-        tokens = [int(t) for t in traj.token_ids]
-        rows.append(TrajectoryPlan(tokens, tg[-1] if tg else 0, tg, temp, 0))
+    for traj, tg, temp, sim in zip(trajectories, targets, temperatures, sims):
+        rows.append(TrajectoryPlan([int(t) for t in traj.token_ids], sim.end, tg, temp, sim.num_events))
     plan = Plan(rows, max([r.end for r in rows] + [1]), n_layers, n_kv_heads)
-    for i, (traj, (n_probe, ridge)) in enumerate(zip(trajectories, configs)):
-        _simulate(plan, i, traj, n_probe, ridge, piece_queries)
+    for i, sim in enumerate(sims):
+        ctx0, first0 = len(plan.snapshots), plan.fitted_rows
+        plan.fitted_offsets.append(first0)
+        plan.snapshots += sim.snapshots
+        plan.pieces += [Piece(i, p.q0, p.q1, p.start, p.ctx + ctx0) for p in sim.pieces]
+        plan.fits += [replace(f, row=i, first=f.first + first0) for f in sim.fits]
+        plan.fitted_rows += sim.fitted_rows
+        plan.has_bias |= sim.has_bias
     return plan
 
 
@@ -227,39 +267,44 @@ def checked_events(traj: Any, index: int, end: int) -> list[CompactionEvent]:
     return [e for e in events if e.logical_len < end]
 
 
-def _simulate(plan: Plan, i: int, traj: Any, n_probe: int, ridge: float, piece_queries: int) -> None:
-    row = plan.rows[i]
-    lh = plan.n_layers * plan.n_kv_heads
-    events = checked_events(traj, i, row.end)
-    row.num_events = len(events)
+def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_layers: int, n_kv_heads: int,
+             piece_queries: int = PIECE_QUERIES) -> TrajectorySim:  # fmt: skip
+    """Trajectory ``index``'s cache through its events up to token ``end`` (checked against the
+    records; ``index`` only names it in errors)."""
+    sim = TrajectorySim(end)
+    lh = n_layers * n_kv_heads
+    events = checked_events(traj, index, end)
+    sim.num_events = len(events)
     empty = np.zeros((lh, 0), np.int64)
     state = Snapshot(np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32))
     row_map = RowMap()
     fed, e_next = 0, 0
-    while fed < row.end or (e_next < len(events) and events[e_next].logical_len == fed):
+    while fed < end or (e_next < len(events) and events[e_next].logical_len == fed):
         if e_next < len(events) and events[e_next].logical_len == fed:
             ev = events[e_next]
-            state, fit = _apply(plan, i, ev, state, row_map, n_probe, ridge)
+            state, fit = _apply(sim, index, lh, ev, state, row_map, n_probe, ridge)
             if fit is not None:
-                plan.fits.append(fit)
+                sim.fits.append(fit)
             e_next += 1
             continue
-        stop = events[e_next].logical_len if e_next < len(events) else row.end
-        ctx = len(plan.snapshots)
-        plan.snapshots.append(state)
+        stop = events[e_next].logical_len if e_next < len(events) else end
+        ctx = len(sim.snapshots)
+        sim.snapshots.append(state)
         for q0 in range(fed, stop, piece_queries):
-            plan.pieces.append(Piece(i, q0, min(stop, q0 + piece_queries), fed, ctx))
+            sim.pieces.append(Piece(0, q0, min(stop, q0 + piece_queries), fed, ctx))
         raw = np.arange(fed, stop, dtype=np.int64)
         state = Snapshot(
             np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]), state.bk, state.bv, state.bb
         )
         row_map.append(fed, stop - fed)
         fed = stop
+    return sim
 
 
 def _apply(
-    plan: Plan,
+    sim: TrajectorySim,
     i: int,
+    lh: int,
     ev: CompactionEvent,
     state: Snapshot,
     row_map: RowMap,
@@ -283,7 +328,6 @@ def _apply(
             f"{where}: rows {ev.span} stand for logical tokens "
             f"{row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
         )
-    lh = plan.n_layers * plan.n_kv_heads
     indices = ev.forced_indices().numpy()
     t = indices.shape[1]
     if indices.shape[0] != lh:
@@ -299,21 +343,21 @@ def _apply(
     kept_b = beta_np if beta_np is not None else old_b
     fit = None
     if replay_needs_probes(ev.mode, ev.refit_values):
-        first = plan.fitted_rows
-        plan.fitted_rows += t
+        first = sim.fitted_rows
+        sim.fitted_rows += t
         span_vcol = state.vcol[start:end]
         if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
         refs = np.unique(-1 - span_vcol[span_vcol < 0])
-        level = 1 + max((plan.fitted_levels[r] for r in refs.tolist()), default=-1)
-        plan.fitted_levels.extend([level] * t)
+        level = 1 + max((sim.fitted_levels[r] for r in refs.tolist()), default=-1)
+        sim.fitted_levels.extend([level] * t)
         blocks = state.blocks
         inside = (blocks >= start) & (blocks < end)
         span = Snapshot(
             state.kcol[start:end].copy(), span_vcol.copy(), state.bk[:, inside], state.bv[:, inside], state.bb[:, inside]
         )
         fit = Fit(
-            row=i, event=ev, span=span, kept=local, beta=beta_np,
+            row=0, event=ev, span=span, kept=local, beta=beta_np,
             probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, level=level, ridge=ridge,
         )  # fmt: skip
         new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
@@ -321,7 +365,7 @@ def _apply(
     else:
         new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
     if beta_np is not None and np.any(beta_np != 0):
-        plan.has_bias = True
+        sim.has_bias = True
     blocks = state.blocks
     before, after = blocks < start, blocks >= end
     out = Snapshot(
