@@ -83,22 +83,28 @@ class Snapshot:
         """Rows of compacted blocks, ascending."""
         return np.flatnonzero(self.kcol < 0)
 
-    @cached_property
-    def block_rank(self) -> np.ndarray:
-        """``[T]`` each row's rank among the blocks' rows (a raw row: the next block row's, clipped)."""
-        return np.minimum(np.cumsum(self.kcol < 0) - (self.kcol < 0), max(len(self.blocks) - 1, 0))
+    def block_range(self, start: int, end: int) -> tuple[int, int]:
+        """The ranks ``[lo, hi)`` of the block rows inside rows ``[start, end)`` (blocks ascend)."""
+        lo, hi = np.searchsorted(self.blocks, (start, end))
+        return int(lo), int(hi)
 
     def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
-        kcol = self.kcol[rows]
+        kcol = np.take(self.kcol, rows)
         in_block = kcol < 0
         if not in_block.any():
-            return kcol, self.vcol[rows], np.zeros(rows.shape, np.float32)
-        # per head, the rank of each row among the blocks' rows, as an index into the flat arrays
-        flat = self.block_rank[rows] + np.arange(rows.shape[0])[:, None] * len(self.blocks)
-        k = np.where(in_block, self.bk.ravel()[flat], kcol)
-        v = np.where(in_block, self.bv.ravel()[flat], self.vcol[rows])
-        b = np.where(in_block, self.bb.ravel()[flat], np.float32(0))
+            return kcol, np.take(self.vcol, rows), np.zeros(rows.shape, np.float32)
+        # per head, each row's rank among the blocks' rows, as an index into the flat [LH, nb] arrays
+        nb = len(self.blocks)
+        flat = np.take(np.cumsum(self.kcol < 0) - 1, rows)
+        flat += np.arange(0, rows.shape[0] * nb, nb)[:, None]
+        flat[~in_block] = 0  # raw rows (rank -1 before the first block): any valid index, overwritten
+        k = np.take(self.bk, flat)
+        np.copyto(k, kcol, where=~in_block)
+        v = np.take(self.bv, flat)
+        np.copyto(v, np.take(self.vcol, rows), where=~in_block)
+        b = np.take(self.bb, flat)
+        b[~in_block] = 0
         return k, v, b
 
 
@@ -112,7 +118,7 @@ class Fit:
     row: int  # trajectory
     event: CompactionEvent
     span: Snapshot  # the span's rows
-    kept: np.ndarray  # [LH, t] kept rows, relative to the span
+    kept: np.ndarray  # [LH, t] kept rows, relative to the span (int16 when the span is narrower than 2**15)
     beta: np.ndarray | None  # [LH, t] recorded β, or None (kept rows keep their bias)
     probe: tuple  # ("suffix", a, b) | ("keys", Snapshot of the probe rows) | ("random", seed, index, n)
     first: int  # its fitted rows are first .. first + t - 1 (in a TrajectorySim: of the trajectory)
@@ -192,8 +198,22 @@ class TrajectorySim:
     snapshots: list[Snapshot] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
     fitted_rows: int = 0
-    fitted_levels: list[int] = field(default_factory=list)  # per fitted row, its fit's level
     has_bias: bool = False
+    _levels: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64), repr=False)
+
+    def add_fitted(self, t: int, level: int) -> None:
+        """Number ``t`` more fitted rows, of a fit at ``level``."""
+        need = self.fitted_rows + t
+        if need > self._levels.shape[0]:
+            self._levels = np.concatenate(
+                [self._levels, np.zeros(max(need, 2 * self._levels.shape[0]), np.int64)]
+            )
+        self._levels[self.fitted_rows : need] = level
+        self.fitted_rows = need
+
+    def levels_of(self, rows: np.ndarray) -> np.ndarray:
+        """The levels of the fits that own fitted rows ``rows``."""
+        return self._levels[rows]
 
 
 def build_plan(
@@ -276,7 +296,9 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
     events = checked_events(traj, index, end)
     sim.num_events = len(events)
     empty = np.zeros((lh, 0), np.int64)
-    state = Snapshot(np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32))
+    state = Snapshot(
+        np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32)
+    )
     row_map = RowMap()
     fed, e_next = 0, 0
     while fed < end or (e_next < len(events) and events[e_next].logical_len == fed):
@@ -334,46 +356,47 @@ def _apply(
         raise InvalidArgumentError(
             f"{where}: indices hold {indices.shape[0]} (layer, KV head) rows, the model has {lh}"
         )
-    if t and (indices[:, 0].min() < start or indices[:, -1].max() >= end or (indices[:, 1:] <= indices[:, :-1]).any()):
+    if t and (
+        indices[:, 0].min() < start
+        or indices[:, -1].max() >= end
+        or (indices[:, 1:] <= indices[:, :-1]).any()
+    ):
         raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
-    local = indices - start
+    # span-relative kept rows, stored narrow (the device plan uploads them for every event)
+    local = (indices - start).astype(np.int16 if end - start < 2**15 else np.int64)
     kept_k, kept_v, old_b = state.rows_at(indices)
     beta = ev.recorded_beta()
     beta_np = None if beta is None or not ev.compute_beta else beta.numpy().astype(np.float32)
     kept_b = beta_np if beta_np is not None else old_b
+    lo, hi = state.block_range(start, end)  # the blocks inside the span: ranks [lo, hi)
     fit = None
     if replay_needs_probes(ev.mode, ev.refit_values):
         first = sim.fitted_rows
-        sim.fitted_rows += t
         span_vcol = state.vcol[start:end]
         if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
-        refs = np.unique(-1 - span_vcol[span_vcol < 0])
-        level = 1 + max((sim.fitted_levels[r] for r in refs.tolist()), default=-1)
-        sim.fitted_levels.extend([level] * t)
-        blocks = state.blocks
-        inside = (blocks >= start) & (blocks < end)
+        refs = -1 - span_vcol[span_vcol < 0]
+        level = 1 + (int(sim.levels_of(refs).max()) if refs.size else -1)
+        sim.add_fitted(t, level)
         span = Snapshot(
-            state.kcol[start:end].copy(), span_vcol.copy(), state.bk[:, inside], state.bv[:, inside], state.bb[:, inside]
-        )
+            state.kcol[start:end], span_vcol, state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi]
+        )  # views: snapshots are never written
         fit = Fit(
             row=0, event=ev, span=span, kept=local, beta=beta_np,
             probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, level=level, ridge=ridge,
         )  # fmt: skip
         new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
-        kept_v = np.repeat(new_vcol[None], lh, 0)
+        kept_v = np.broadcast_to(new_vcol, (lh, t))
     else:
         new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
     if beta_np is not None and np.any(beta_np != 0):
         sim.has_bias = True
-    blocks = state.blocks
-    before, after = blocks < start, blocks >= end
     out = Snapshot(
         np.concatenate([state.kcol[:start], np.full(t, -1, np.int64), state.kcol[end:]]),
         np.concatenate([state.vcol[:start], new_vcol, state.vcol[end:]]),
-        np.concatenate([state.bk[:, before], kept_k, state.bk[:, after]], 1),
-        np.concatenate([state.bv[:, before], kept_v, state.bv[:, after]], 1),
-        np.concatenate([state.bb[:, before], kept_b.astype(np.float32), state.bb[:, after]], 1),
+        np.concatenate([state.bk[:, :lo], kept_k, state.bk[:, hi:]], 1),
+        np.concatenate([state.bv[:, :lo], kept_v, state.bv[:, hi:]], 1),
+        np.concatenate([state.bb[:, :lo], kept_b.astype(np.float32, copy=False), state.bb[:, hi:]], 1),
     )
     row_map.replace(start, end, t, ev.logical_span)
     if out.length != ev.kv_len_after:
@@ -388,10 +411,9 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
         raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
     if ev.probe_source == "keys":
         rows = key_probe_rows(ev, row_map, state.length, n_probe, where)
-        blocks = state.blocks
-        inside = (blocks >= rows[0]) & (blocks < rows[1])
-        probe = Snapshot(state.kcol[rows[0] : rows[1]].copy(), state.vcol[rows[0] : rows[1]].copy(),
-                         state.bk[:, inside], state.bv[:, inside], state.bb[:, inside])  # fmt: skip
+        lo, hi = state.block_range(*rows)
+        probe = Snapshot(state.kcol[rows[0] : rows[1]], state.vcol[rows[0] : rows[1]],
+                         state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi])  # fmt: skip
         return ("keys", probe)
     if ev.probe_source in SUFFIX_SOURCES:
         a, b = ev.probe_logical_range
@@ -409,7 +431,9 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
     raise InvalidArgumentError(f"{where}: probe_source {ev.probe_source!r} cannot be replayed in one pass")
 
 
-def key_probe_rows(ev: CompactionEvent, row_map: RowMap, length: int, n_probe: int, where: str) -> tuple[int, int]:
+def key_probe_rows(
+    ev: CompactionEvent, row_map: RowMap, length: int, n_probe: int, where: str
+) -> tuple[int, int]:
     """The cache rows ``(lo, hi)`` of a ``keys`` event's probes, checked against its logical range
     (version-1 records without ``probe_rows``: located as the engine chose them)."""
     rows = ev.probe_rows
