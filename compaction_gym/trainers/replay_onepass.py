@@ -165,6 +165,11 @@ class OnePassReplay:
         self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
         self._build_buckets()
 
+    def reset(self) -> None:
+        """Forget the last pass's state (its masks, its solves' flags) before a kept plan serves another."""
+        self._masks.clear()
+        self.failed = []
+
     # ------------------------------------------------------------------------------- host → device
     def _value_rows(self, b: np.ndarray, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
         """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``
