@@ -21,9 +21,9 @@ and gradients); docs/grpo.md, "Replay in one pass".
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, cholesky_solve_ex, compute_dtype, normal_matrix
 from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
@@ -50,14 +51,13 @@ class _Rows:
     vals: torch.Tensor | None  # [L, H, k], None when k = 0
 
     @classmethod
-    def of(cls, base: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, device: torch.device, n_layers: int,
+    def of(cls, base: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, stage: _Stage, n_layers: int,
            n_kv_heads: int) -> _Rows:  # fmt: skip
-        """From host arrays: ``base`` ``[n]``, per head ``vals`` ``[L·H, k]`` at columns ``cols``."""
-        t = torch.as_tensor(base, device=device)
+        """From host arrays (staged for the device): ``base`` ``[n]``, per head ``vals`` ``[L·H, k]``
+        at columns ``cols``."""
         if not cols.size:
-            return cls(t, t.new_zeros(0, dtype=torch.long), None)
-        v = torch.as_tensor(np.ascontiguousarray(vals), device=device)
-        return cls(t, torch.as_tensor(cols, device=device), v.reshape(n_layers, n_kv_heads, -1))
+            return cls(stage(base), stage(np.zeros(0, np.int64)), None)
+        return cls(stage(base), stage(cols), stage(vals, lambda v: v.reshape(n_layers, n_kv_heads, -1)))
 
     def at(self, layer: int, heads: int) -> torch.Tensor:
         """``[H, n]`` at ``layer`` (``[1, n]`` when every head shares the row)."""
@@ -66,6 +66,55 @@ class _Rows:
         out = self.base.expand(heads, -1).clone()
         out[:, self.cols] = self.vals[layer]
         return out
+
+
+class _Staged:
+    """A host array bound for the device, and what to make of it there (``then``)."""
+
+    __slots__ = ("array", "then", "value")
+
+    def __init__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.array, self.then, self.value = array, then, None
+
+
+class _Stage:
+    """The device plan's host arrays, sent together: one pinned buffer and one asynchronous copy per
+    dtype (:func:`~compaction_gym.engine.host_copy.upload`) instead of a synchronising copy each."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.items: list[_Staged] = []
+
+    def __call__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+        item = _Staged(array, then)
+        self.items.append(item)
+        return item
+
+    def send(self) -> None:
+        by_dtype: dict[np.dtype, list[_Staged]] = {}
+        for item in self.items:
+            by_dtype.setdefault(item.array.dtype, []).append(item)
+        for items in by_dtype.values():
+            host = [torch.from_numpy(np.ascontiguousarray(i.array)) for i in items]
+            for item, t in zip(items, upload(host, self.device)):
+                item.value = t if item.then is None else item.then(t)
+                item.array = None
+        self.items = []
+
+
+def _resolve(x: Any) -> Any:
+    """``x`` with every :class:`_Staged` inside (dataclass fields, dicts, tuples, lists) replaced by its tensor."""
+    if isinstance(x, _Staged):
+        return x.value
+    if isinstance(x, (_Rows, _Group, _Bucket)):
+        for f in fields(x):
+            setattr(x, f.name, _resolve(getattr(x, f.name)))
+        return x
+    if isinstance(x, dict):
+        return {k: _resolve(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_resolve(v) for v in x)
+    return x
 
 
 @dataclass
@@ -143,7 +192,8 @@ class _Bucket:
     keys: _Rows  # [L, H, P·W] key rows
     values: _Rows  # [L, H, P·W] value rows (raw, then fitted)
     bias: _Rows | None  # [L, H, P·W] float32
-    allowed: torch.Tensor  # [P, n_q, W] bool
+    colpos: torch.Tensor  # [P, W] each column's token (-1: the snapshot's rows, a large value: padding)
+    qpos: torch.Tensor  # [P, n_q] each query's token (padding queries: see every real column)
     qrows: torch.Tensor  # [P, n_q] token rows
 
 
@@ -161,9 +211,13 @@ class OnePassReplay:
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
+        self._stage = stage = _Stage(device)
         self._layout_fits()
         self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
         self._build_buckets()
+        stage.send()
+        self.groups, self.buckets, self.inv = _resolve((self.groups, self.buckets, self.inv))
+        del self._stage
 
     def reset(self) -> None:
         """Forget the last pass's state (its masks, its solves' flags) before a kept plan serves another."""
@@ -189,12 +243,12 @@ class OnePassReplay:
               attention: bool = False) -> tuple[_Rows, _Rows | None, _Rows | None]:  # fmt: skip
         """The stack's key rows (and value rows, biases); ``attention``: rows the attention reads
         (its block keys and kept values are the detached copy when gradients stop at the blocks)."""
-        dev, L, H = self.device, self.n_layers, self.n_kv_heads
+        stage, L, H = self._stage, self.n_layers, self.n_kv_heads
         brow = st.row[st.blocks]
         key_vals = st.per_head("bk")
         key_vals += (brow * self.width + (self.rows if attention and not self.through else 0))[None]
         keys = _Rows.of(
-            np.where(st.kcol >= 0, st.row * self.width + st.kcol, 0), st.blocks, key_vals, dev, L, H
+            np.where(st.kcol >= 0, st.row * self.width + st.kcol, 0), st.blocks, key_vals, stage, L, H
         )
         vals = None
         if values:
@@ -203,9 +257,9 @@ class OnePassReplay:
             per_head = (
                 self._value_rows(brow[varies], st.per_head("bv", varies), attention) if varies.size else None
             )
-            vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], per_head, dev, L, H)
+            vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], per_head, stage, L, H)
         b = (
-            _Rows.of(np.zeros(st.kcol.shape, np.float32), st.blocks, st.per_head("bb"), dev, L, H)
+            _Rows.of(np.zeros(st.kcol.shape, np.float32), st.blocks, st.per_head("bb"), stage, L, H)
             if bias
             else None
         )
@@ -245,7 +299,7 @@ class OnePassReplay:
         self._meta = np.array([self._flat_at[int(f)] for f in self._firsts], np.int64).reshape(-1, 3)
 
     def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
-        dev, L, H = self.device, self.n_layers, self.n_kv_heads
+        dev, stage, L, H = self.device, self._stage, self.n_layers, self.n_kv_heads
         E, w, t = len(fs), fs[0].width, fs[0].target
         kind = fs[0].probe[0]
         n = max(f.n_probes for f in fs)
@@ -253,48 +307,39 @@ class OnePassReplay:
         has_bias = any(np.any(f.span.bb != 0) for f in fs)
         keys, _, bias = self._rows(span, bias=has_bias)
 
-        def per_eh(
-            a: list[np.ndarray], dtype: type
-        ) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t] on the device
-            x = torch.as_tensor(np.stack(a, dtype=dtype, casting="same_kind"), device=dev)
-            return x.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1)
+        def per_eh(a: list[np.ndarray], dtype: type, to: torch.dtype) -> Any:  # [E, LH, t] -> [L, E·H, t]
+            x = np.stack(a, dtype=dtype, casting="same_kind")
+            return stage(x, lambda v: v.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1).to(to))
 
         vcol = span.vcol
         raw_rows = np.where(vcol >= 0, self._value_rows(span.row, vcol), 0)
         g = _Group(
             width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E, keys=keys, bias=bias,
-            kept=per_eh([f.kept for f in fs], np.int16 if w < 2**15 else np.int64).long(),  # a quarter of the copy
-            beta=per_eh([f.beta for f in fs], np.float32) if fs[0].beta is not None else None,
-            raw_idx=torch.as_tensor(raw_rows, device=dev),
-            raw_mask=torch.as_tensor((vcol >= 0).reshape(E, 1, 1, w), device=dev),
+            kept=per_eh([f.kept for f in fs], np.int16 if w < 2**15 else np.int64, torch.long),  # 1/4 of the copy
+            beta=per_eh([f.beta for f in fs], np.float32, torch.float32) if fs[0].beta is not None else None,
+            raw_idx=stage(raw_rows), raw_mask=stage((vcol >= 0).reshape(E, 1, 1, w)),
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
         )  # fmt: skip
         counts = np.array([f.n_probes for f in fs])
         if (counts != n).any():
-            g.probe_mask = torch.as_tensor(np.arange(n)[None, :] < counts[:, None], device=dev)
+            g.probe_mask = stage(np.arange(n)[None, :] < counts[:, None])
         groups = self._q_heads // H if kind == "suffix" else 1
-        g.probe_counts = torch.as_tensor(np.repeat(counts * groups, H), device=dev)
+        g.probe_counts = stage(np.repeat(counts * groups, H))
         fitted = [np.flatnonzero(f.span.vcol < 0) for f in fs]
         width = max(len(c) for c in fitted)
         if width:
             cols = np.zeros((E, width), np.int64)
             for e, c in enumerate(fitted):
                 cols[e, : len(c)] = c
-            g.fit_cols = (
-                torch.as_tensor(cols, device=dev).repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1)
-            )
-            g.fit_valid = torch.as_tensor(
-                (np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]).reshape(
-                    E, 1, 1, width
-                ),
-                device=dev,
-            )
+            g.fit_cols = stage(cols, lambda c: c.repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1))
+            valid = np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]
+            g.fit_valid = stage(valid.reshape(E, 1, 1, width))
         if kind == "suffix":
             rows = np.zeros((E, n), np.int64)
             for e, f in enumerate(fs):
                 a, b = f.probe[1], f.probe[2]
                 rows[e, : b - a] = f.row * self.width + np.arange(a, b)
-            g.probe_idx = torch.as_tensor(rows, device=dev)
+            g.probe_idx = stage(rows)
         elif kind == "keys":
             probe = _Stack.of(
                 [f.row for f in fs], [f.probe[1] for f in fs], pads=[n - f.n_probes for f in fs]
@@ -311,7 +356,7 @@ class OnePassReplay:
             hi = lo + sum(1 for f in fs if f.level == lv)
             g.slices[lv] = (lo, hi)
             if lv > 0:
-                g.chain[lv] = self._chain(fs[lo:hi], g.fit_cols.shape[-1])
+                g.chain[lv] = self._chain(fs[lo:hi], width)
             lo = hi
         return g
 
@@ -319,22 +364,20 @@ class OnePassReplay:
         """Where the fitted rows the spans of ``fs`` read lie in the event-major C2 of the levels
         they come from (concatenated): ``(levels, rows [E·H·f])`` (padding: row 0)."""
         H = self.n_kv_heads
-        firsts = self._firsts
-        meta = self._meta
+        firsts, meta = self._firsts, self._meta
         rows = np.zeros((len(fs), H, width), np.int64)
-        ids = [self._starts[f.row] - 1 - f.span.vcol[f.span.vcol < 0] for f in fs]
-        owners = [np.searchsorted(firsts, j, side="right") - 1 for j in ids]
-        refs = sorted({int(x) for o in owners for x in np.unique(meta[o, 0])})
+        ids = [self._starts[f.row] - 1 - f.span.vcol[f.span.vcol < 0] for f in fs]  # the batch's fitted rows
+        lens = np.array([len(j) for j in ids])
+        j = np.concatenate(ids)
+        e = np.repeat(np.arange(len(fs)), lens)  # each id's fit, and its column in that fit's span
+        col = np.arange(j.size) - np.repeat(np.cumsum(lens) - lens, lens)
+        o = np.searchsorted(firsts, j, side="right") - 1  # the fit that owns it
+        lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
+        refs = np.unique(lv).tolist()
         at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)
-        start = 0
-        for lv in refs:
-            at[lv] = start
-            start += self._level_flat_rows[lv]
-        heads = np.arange(H)[:, None]
-        for e, (j, o) in enumerate(zip(ids, owners)):
-            lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
-            rows[e, :, : len(j)] = (at[lv] + off + j - firsts[o])[None, :] + heads * t[None, :]
-        return refs, torch.as_tensor(rows.reshape(-1), device=self.device)
+        at[refs] = np.cumsum([0] + [self._level_flat_rows[x] for x in refs[:-1]])
+        rows[e, :, col] = (at[lv] + off + j - firsts[o])[:, None] + np.arange(H)[None, :] * t[:, None]
+        return refs, self._stage(rows.reshape(-1))
 
     def _build_buckets(self) -> None:
         plan = self.plan
@@ -353,10 +396,10 @@ class OnePassReplay:
             nq = self.buckets[k].queries
             for j, p in enumerate(ps):
                 inv[p.row * self.width + np.arange(p.q0, p.q1)] = offsets[k] + j * nq + np.arange(p.q1 - p.q0)
-        self.inv = torch.as_tensor(inv, device=self.device)
+        self.inv = self._stage(inv)
 
     def _bucket(self, ps: list[Piece]) -> _Bucket:
-        plan, dev = self.plan, self.device
+        plan, stage = self.plan, self._stage
         P = len(ps)
         W = max(p.width(plan.snapshots[p.ctx].length) for p in ps)
         nq = max(p.q1 - p.q0 for p in ps)
@@ -379,8 +422,7 @@ class OnePassReplay:
                                         bias=plan.has_bias, attention=True)  # fmt: skip
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
-            allowed=torch.as_tensor(colpos, device=dev)[:, None, :] <= torch.as_tensor(qpos, device=dev)[:, :, None],
-            qrows=torch.as_tensor(qrows, device=dev),
+            colpos=stage(colpos), qpos=stage(qpos), qrows=stage(qrows),
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------- per layer
@@ -428,8 +470,9 @@ class OnePassReplay:
         """The bucket's additive mask ``[P, 1, G·n_q, W]`` (the same at every layer: built once)."""
         key = (id(b), dtype)
         if key not in self._masks:
-            m = torch.zeros(b.allowed.shape, dtype=dtype, device=self.device)
-            m.masked_fill_(~b.allowed, float("-inf"))
+            allowed = b.colpos[:, None, :] <= b.qpos[:, :, None]  # [P, n_q, W]
+            m = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            m.masked_fill_(~allowed, float("-inf"))
             self._masks[key] = m[:, None].repeat(1, 1, groups, 1)
         return self._masks[key]
 
