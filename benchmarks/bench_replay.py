@@ -108,6 +108,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="GRPO-batch workload: this many sessions replayed together (0: one session per config)",
     )
     p.add_argument("--config", default="AM kv-budget", help="--batch: the compaction config (a row name)")
+    p.add_argument(
+        "--save-views", default=None, help="--batch: torch.save the sessions here (bench_replay_plan.py)"
+    )
     p.add_argument("--methods", nargs="+", default=["one_pass", "one_pass_reused", "segments"],
                    choices=["one_pass", "one_pass_reused", "segments"],
                    help="--batch: replay methods (one_pass_reused: one pass whose plan a ReplayPlanCache kept from "
@@ -323,6 +326,8 @@ def main_batch(args, model) -> int:
     views = batch_sessions(engine, config, args, vocab)
     gen_s = time.perf_counter() - t
     del engine
+    if args.save_views:
+        torch.save({"views": views}, args.save_views)  # for bench_replay_plan.py
     tokens = [len(v.token_ids) for v in views]
     events = [len(v.events) for v in views]
     print(f"\n{device_line()}; model {args.model} {args.dtype}; {args.batch} sessions ({args.config}, "
