@@ -23,7 +23,8 @@ half only gathers and solves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -88,23 +89,30 @@ class Snapshot:
         lo, hi = np.searchsorted(self.blocks, (start, end))
         return int(lo), int(hi)
 
-    def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
+    def rows_at(self, rows: np.ndarray, values: bool = True,
+                bias: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:  # fmt: skip
+        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources (``None`` unless
+        ``values``) and biases (zeros unless ``bias``: the cache holds no β)."""
         kcol = np.take(self.kcol, rows)
         in_block = kcol < 0
         if not in_block.any():
-            return kcol, np.take(self.vcol, rows), np.zeros(rows.shape, np.float32)
+            return kcol, np.take(self.vcol, rows) if values else None, np.zeros(rows.shape, np.float32)
+        raw = ~in_block
         # per head, each row's rank among the blocks' rows, as an index into the flat [LH, nb] arrays
         nb = len(self.blocks)
         flat = np.take(np.cumsum(self.kcol < 0) - 1, rows)
         flat += np.arange(0, rows.shape[0] * nb, nb)[:, None]
-        flat[~in_block] = 0  # raw rows (rank -1 before the first block): any valid index, overwritten
+        flat[raw] = 0  # raw rows (rank -1 before the first block): any valid index, overwritten
         k = np.take(self.bk, flat)
-        np.copyto(k, kcol, where=~in_block)
-        v = np.take(self.bv, flat)
-        np.copyto(v, np.take(self.vcol, rows), where=~in_block)
+        np.copyto(k, kcol, where=raw)
+        v = None
+        if values:
+            v = np.take(self.bv, flat)
+            np.copyto(v, np.take(self.vcol, rows), where=raw)
+        if not bias:
+            return k, v, np.zeros(rows.shape, np.float32)
         b = np.take(self.bb, flat)
-        b[~in_block] = 0
+        b[raw] = 0
         return k, v, b
 
 
@@ -193,6 +201,7 @@ class TrajectorySim:
     ``snapshots``). Read-only once built: plans share its arrays."""
 
     end: int
+    tokens: list[int] = field(default_factory=list)  # the trajectory's token ids
     num_events: int = 0
     fits: list[Fit] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
@@ -249,26 +258,33 @@ def build_plan(
         if sim is None:
             sim = simulate(traj, i, tg[-1] if tg else 0, n_probe, ridge, n_layers, n_kv_heads, piece_queries)
         out.append(sim)
-    return assemble(trajectories, out, targets=targets, temperatures=temperatures, n_layers=n_layers,
-                    n_kv_heads=n_kv_heads)  # fmt: skip
+    return assemble(out, targets=targets, temperatures=temperatures, n_layers=n_layers, n_kv_heads=n_kv_heads)
 
 
-def assemble(trajectories: list[Any], sims: list[TrajectorySim], *, targets: list[list[int]],
-             temperatures: list[float], n_layers: int, n_kv_heads: int) -> Plan:  # fmt: skip
+def assemble(sims: list[TrajectorySim], *, targets: list[list[int]], temperatures: list[float], n_layers: int,
+             n_kv_heads: int) -> Plan:  # fmt: skip
     """The batch's :class:`Plan` from its trajectories' simulations (no copies of their arrays)."""
     rows = []
-    for traj, tg, temp, sim in zip(trajectories, targets, temperatures, sims):
-        rows.append(TrajectoryPlan([int(t) for t in traj.token_ids], sim.end, tg, temp, sim.num_events))
+    for tg, temp, sim in zip(targets, temperatures, sims):
+        rows.append(TrajectoryPlan(sim.tokens, sim.end, tg, temp, sim.num_events))
     plan = Plan(rows, max([r.end for r in rows] + [1]), n_layers, n_kv_heads)
     for i, sim in enumerate(sims):
         ctx0, first0 = len(plan.snapshots), plan.fitted_rows
         plan.fitted_offsets.append(first0)
         plan.snapshots += sim.snapshots
         plan.pieces += [Piece(i, p.q0, p.q1, p.start, p.ctx + ctx0) for p in sim.pieces]
-        plan.fits += [replace(f, row=i, first=f.first + first0) for f in sim.fits]
+        plan.fits += [_moved(f, i, first0) for f in sim.fits]
         plan.fitted_rows += sim.fitted_rows
         plan.has_bias |= sim.has_bias
     return plan
+
+
+def _moved(fit: Fit, row: int, first0: int) -> Fit:
+    """``fit`` as row ``row`` of a batch whose fitted rows before it number ``first0`` (a shallow copy:
+    ``dataclasses.replace`` re-runs ``__init__``, several times slower at 180 fits a batch)."""
+    out = copy.copy(fit)
+    out.row, out.first = row, fit.first + first0
+    return out
 
 
 def checked_events(traj: Any, index: int, end: int) -> list[CompactionEvent]:
@@ -291,7 +307,7 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
              piece_queries: int = PIECE_QUERIES) -> TrajectorySim:  # fmt: skip
     """Trajectory ``index``'s cache through its events up to token ``end`` (checked against the
     records; ``index`` only names it in errors)."""
-    sim = TrajectorySim(end)
+    sim = TrajectorySim(end, [int(t) for t in traj.token_ids])
     lh = n_layers * n_kv_heads
     events = checked_events(traj, index, end)
     sim.num_events = len(events)
@@ -364,13 +380,14 @@ def _apply(
         raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
     # span-relative kept rows, stored narrow (the device plan uploads them for every event)
     local = (indices - start).astype(np.int16 if end - start < 2**15 else np.int64)
-    kept_k, kept_v, old_b = state.rows_at(indices)
+    refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
+    kept_k, kept_v, old_b = state.rows_at(indices, values=not refit, bias=sim.has_bias)
     beta = ev.recorded_beta()
     beta_np = None if beta is None or not ev.compute_beta else beta.numpy().astype(np.float32)
     kept_b = beta_np if beta_np is not None else old_b
     lo, hi = state.block_range(start, end)  # the blocks inside the span: ranks [lo, hi)
     fit = None
-    if replay_needs_probes(ev.mode, ev.refit_values):
+    if refit:
         first = sim.fitted_rows
         span_vcol = state.vcol[start:end]
         if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
