@@ -78,8 +78,8 @@ def passes(draw, n: int):
 @given(data=st.data())
 def test_kept_plans_give_the_results_of_fresh_ones(model, views, data):
     """Every chunk of every pass, replayed through one cache, equals its replay with a fresh plan:
-    exactly where the kept plan holds the chunk in the caller's order (the same arithmetic), to
-    float rounding of a batch position where it holds them in another order."""
+    exactly where its plan was assembled from kept simulations (the same tensors), to float rounding
+    of a batch position where a kept device plan serves it (possibly with its rows in another order)."""
     cache = ReplayPlanCache()
     drawn = data.draw(passes(len(views)))
     for chunks, grad, through in drawn:
