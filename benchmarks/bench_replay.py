@@ -26,7 +26,10 @@ sessions' events fall at different tokens) and replayed as one batch by both met
 :func:`~compaction_gym.trainers.replay.replay_logprobs_batch` — ``one_pass`` (one forward, the
 caches rebuilt inside each layer) and ``segments`` (one forward per stretch between events) —
 against a plain forward of the same right-padded batch (no compaction, the same log-prob scoring),
-forward and forward + backward, each the median of ``--repeats``.
+forward and forward + backward, each the median of ``--repeats``. ``one_pass`` builds its plan at
+every call (as the first pass of a GRPO step); ``one_pass_reused`` takes it from a
+:class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache` (as the step's later passes over the
+same trajectories); the plan's own build time (host simulation, device plan) is printed below.
 
 Usage:
     python benchmarks/bench_replay.py                 # GPU: qwen3-0.6b bf16, both engine paths
@@ -52,6 +55,7 @@ from gpu_shapes import QWEN3_SHAPES, device_line, print_table  # noqa: E402
 from compaction_gym.engine import CompactionConfig, Engine, SamplingParams  # noqa: E402
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch  # noqa: E402
 from compaction_gym.trainers.replay_attention import use_attention  # noqa: E402
+from compaction_gym.trainers.replay_cache import ReplayPlanCache  # noqa: E402
 
 TINY = dict(
     hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -97,10 +101,20 @@ def make_parser() -> argparse.ArgumentParser:
                    "meaningless mismatch), 0.1 gives peaked ones (the entropy column shows it)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
-    p.add_argument("--batch", type=int, default=0,
-                   help="GRPO-batch workload: this many sessions replayed together (0: one session per config)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="GRPO-batch workload: this many sessions replayed together (0: one session per config)",
+    )
     p.add_argument("--config", default="AM kv-budget", help="--batch: the compaction config (a row name)")
-    p.add_argument("--methods", nargs="+", default=["one_pass", "segments"], help="--batch: replay methods")
+    p.add_argument(
+        "--save-views", default=None, help="--batch: torch.save the sessions here (bench_replay_plan.py)"
+    )
+    p.add_argument("--methods", nargs="+", default=["one_pass", "one_pass_reused", "segments"],
+                   choices=["one_pass", "one_pass_reused", "segments"],
+                   help="--batch: replay methods (one_pass_reused: one pass whose plan a ReplayPlanCache kept from "
+                   "an earlier pass over the batch, as a GRPO step's later passes)")  # fmt: skip
     return p
 
 
@@ -209,7 +223,10 @@ def batch_sessions(engine: Engine, config: CompactionConfig, args, vocab: int) -
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.turn_tokens, ignore_eos=True)
     lo, hi = max(1, args.turn_input // 2), args.turn_input * 3 // 2
     results = engine.step_batch(
-        [CreateRequest(ids(args.prompt), config, sampling.replace(seed=args.seed + i)) for i in range(args.batch)]
+        [
+            CreateRequest(ids(args.prompt), config, sampling.replace(seed=args.seed + i))
+            for i in range(args.batch)
+        ]
     )
     sids = [r.session_id for r in results]
     for _ in range(args.turns):
@@ -239,7 +256,9 @@ def plain_batch_logprobs(model, views, grad: bool) -> list[torch.Tensor]:
         mask[b, : r.end] = 1
     plan = Plan(rows, width, 0, 0)
     with torch.enable_grad() if grad else torch.no_grad(), use_attention(model, "sdpa"):
-        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        hidden = model.get_decoder()(
+            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+        )
         logps, _, _ = score_hidden(model.get_output_embeddings(), hidden.last_hidden_state, plan, softcap=None,
                                    compute_entropy=False, return_logits=False)  # fmt: skip
     return logps
@@ -251,9 +270,15 @@ def measure_batch(model, views, args) -> list[list[object]]:
     masks = [torch.tensor(v.completion_mask, dtype=torch.bool) for v in views]
     rollout = [torch.tensor(v.logprobs, dtype=torch.float64) for v in views]
 
+    cache = ReplayPlanCache()  # one_pass_reused: built by the first call, reused by every later one
+
     def run(method: str, grad: bool) -> list[torch.Tensor]:
         if method == "plain":
             return plain_batch_logprobs(model, views, grad)
+        if method == "one_pass_reused":
+            return replay_logprobs_batch(
+                model, views, grad=grad, method="one_pass", plan_cache=cache
+            ).logprobs
         return replay_logprobs_batch(model, views, grad=grad, method=method).logprobs
 
     def step(method: str) -> None:
@@ -268,7 +293,13 @@ def measure_batch(model, views, args) -> list[list[object]]:
         delta = torch.cat([(lp.double().cpu() - r)[m] for lp, r, m in zip(lps, rollout, masks)])
         fwd = timed(lambda method=method: run(method, False), device, args.repeats)
         base.setdefault("fwd", fwd)
-        row = [method, delta.abs().max().item(), (delta.exp() - delta - 1).mean().item(), fwd, fwd / base["fwd"]]
+        row = [
+            method,
+            delta.abs().max().item(),
+            (delta.exp() - delta - 1).mean().item(),
+            fwd,
+            fwd / base["fwd"],
+        ]
         if args.grad:
             try:
                 both = timed(lambda method=method: step(method), device, args.repeats)
@@ -287,12 +318,16 @@ def main_batch(args, model) -> int:
     vocab = model.config.vocab_size
     capacity = args.prompt + (args.turns + 1) * (args.turn_input * 3 // 2 + args.turn_tokens) + 16
     fast = args.device == "cuda" and args.engine != "generic"
-    engine = Engine(model, None, max_slots=args.batch, capacity=min(capacity, 2 * args.max_kv_len + 512), fast=fast)
+    engine = Engine(
+        model, None, max_slots=args.batch, capacity=min(capacity, 2 * args.max_kv_len + 512), fast=fast
+    )
     config = configs(args)[args.config]
     t = time.perf_counter()
     views = batch_sessions(engine, config, args, vocab)
     gen_s = time.perf_counter() - t
     del engine
+    if args.save_views:
+        torch.save({"views": views}, args.save_views)  # for bench_replay_plan.py
     tokens = [len(v.token_ids) for v in views]
     events = [len(v.events) for v in views]
     print(f"\n{device_line()}; model {args.model} {args.dtype}; {args.batch} sessions ({args.config}, "
@@ -304,7 +339,45 @@ def main_batch(args, model) -> int:
     if args.grad:
         headers += ["fwd+bwd s", "fwd+bwd ratio"]
     print_table([*headers, "peak GiB"], measure_batch(model, views, args))
+    if "one_pass" in args.methods or "one_pass_reused" in args.methods:
+        host, dev, reused = plan_build_times(model, views, args)
+        print(
+            f"\none-pass plan (median of {args.repeats}): host simulation {1e3 * host:.1f} ms + device plan "
+            f"{1e3 * dev:.1f} ms built by each one_pass call; a kept plan looked up in {1e3 * reused:.2f} ms "
+            "(each one_pass_reused call)"
+        )
     return 0
+
+
+def plan_build_times(model, views, args) -> tuple[float, float, float]:
+    """Median seconds of the one-pass plan's two halves built afresh (``build_plan``, then
+    ``OnePassReplay``: host layout and uploads, device synchronised), and of a kept plan's lookup."""
+    from compaction_gym.engine.model_runner import ModelLayout
+    from compaction_gym.trainers.replay import _one_pass_plan, scored_positions
+    from compaction_gym.trainers.replay_onepass import OnePassReplay
+    from compaction_gym.trainers.replay_plan import build_plan
+
+    layout, param = ModelLayout.from_model(model), next(model.parameters())
+    targets = [scored_positions(v, None, i) for i, v in enumerate(views)]
+    temps = [1.0] * len(views)
+    configs = [(v.config.n_probe_queries, v.config.ridge) for v in views]
+    plan = None
+
+    def host() -> None:
+        nonlocal plan
+        plan = build_plan(views, targets=targets, temperatures=temps, configs=configs, n_layers=layout.n_layers,
+                          n_kv_heads=layout.n_kv_heads)  # fmt: skip
+
+    def device() -> None:
+        OnePassReplay(plan, param.device, through=True, head_dim=layout.head_dim, q_heads=layout.n_q_heads,
+                      probe_dtype=param.dtype, scale=layout.scale)  # fmt: skip
+
+    cache = ReplayPlanCache()
+
+    def lookup() -> None:
+        _one_pass_plan(views, targets, temps, configs, layout, param, through=True, cache=cache)
+
+    return tuple(timed(f, args.device, args.repeats) for f in (host, device, lookup))
 
 
 def main(argv: list[str] | None = None) -> int:

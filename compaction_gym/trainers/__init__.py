@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "replay_logprobs": "compaction_gym.trainers.replay",
     "replay_logprobs_batch": "compaction_gym.trainers.replay",
     "ReplayOutput": "compaction_gym.trainers.replay",
+    "ReplayPlanCache": "compaction_gym.trainers.replay_cache",
     "EnvRollouts": "compaction_gym.trainers.rollouts",
     "EpisodeSpec": "compaction_gym.trainers.rollouts",
     "group_specs": "compaction_gym.trainers.rollouts",

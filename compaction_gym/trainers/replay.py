@@ -60,6 +60,7 @@ from compaction_gym.trainers.replay_attention import (
     unwrap,
     use_attention,
 )
+from compaction_gym.trainers.replay_cache import ReplayPlanCache
 from compaction_gym.trainers.replay_onepass import (
     OnePassReplay,
     fused_scores,
@@ -67,7 +68,13 @@ from compaction_gym.trainers.replay_onepass import (
     score_hidden,
     shifted_labels,
 )
-from compaction_gym.trainers.replay_plan import build_plan, checked_events, key_probe_rows, one_pass_supported
+from compaction_gym.trainers.replay_plan import (
+    TrajectorySim,
+    build_plan,
+    checked_events,
+    key_probe_rows,
+    one_pass_supported,
+)
 
 __all__ = ["REPLAY_METHODS", "ReplayOutput", "replay_logprobs", "replay_logprobs_batch"]
 
@@ -177,6 +184,7 @@ def replay_logprobs_batch(
     max_tokens_per_forward: int = 2048,
     batch_events: bool = True,
     method: str = "auto",
+    plan_cache: ReplayPlanCache | None = None,
 ) -> ReplayOutput:
     """:func:`replay_logprobs` for several trajectories, batched.
 
@@ -206,6 +214,9 @@ def replay_logprobs_batch(
             reference; ``max_tokens_per_forward`` and ``batch_events`` apply to it);
             ``"auto"`` (default): one pass on an accelerator unless an event needs the segments
             (``repeat`` probes, version-1 records whose β is refitted); segments on a CPU.
+        plan_cache: a :class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache` that keeps the
+            one-pass plans for later calls over the same trajectories (any chunking or order); the
+            results are those of a fresh plan. One pass only.
 
     Returns:
         :class:`ReplayOutput`.
@@ -237,9 +248,11 @@ def replay_logprobs_batch(
     # dim) cost more than the segments' extra forwards save (docs/grpo.md, "Replay in one pass")
     if method == "one_pass" or (method == "auto" and one_pass and param.device.type != "cpu"):
         out = _replay_one_pass(
-            model, base, layout, param, trajectories, grad=grad, through=grad and grad_through_compaction,
+            # without gradients both layouts give the same values: the one without detached copies
+            # (and shared with the gradient pass's plan when it lets gradients through)
+            model, base, layout, param, trajectories, grad=grad, through=grad_through_compaction or not grad,
             temperature=temperature, positions=positions, compute_entropy=compute_entropy,
-            return_logits=return_logits, fused_lm_head=fused_lm_head,
+            return_logits=return_logits, fused_lm_head=fused_lm_head, plan_cache=plan_cache,
         )  # fmt: skip
         if out is not None:
             return out
@@ -284,29 +297,23 @@ def _replay_one_pass(
     compute_entropy: bool,
     return_logits: bool,
     fused_lm_head: bool,
+    plan_cache: ReplayPlanCache | None,
 ) -> ReplayOutput | None:
     """:func:`replay_logprobs_batch` by one forward (docs/grpo.md, "Replay in one pass"); ``None``
     when a value map's solve failed (the caller replays by segments)."""
     targets = [
-        scored_positions(t, None if positions is None else positions[i], i) for i, t in enumerate(trajectories)
+        scored_positions(t, None if positions is None else positions[i], i)
+        for i, t in enumerate(trajectories)
     ]
     configs = []
     for t in trajectories:
         cfg = _session_config(t)
         configs.append((int(cfg.get("n_probe_queries", 256)), float(cfg.get("ridge", 1e-4))))
-    plan = build_plan(
-        list(trajectories),
-        targets=targets,
-        temperatures=[temperature if temperature is not None else sampling_temperature(t) for t in trajectories],
-        configs=configs,
-        n_layers=layout.n_layers,
-        n_kv_heads=layout.n_kv_heads,
+    temperatures = [temperature if temperature is not None else sampling_temperature(t) for t in trajectories]
+    replay, order = _one_pass_plan(
+        list(trajectories), targets, temperatures, configs, layout, param, through=through, cache=plan_cache
     )
-    device = param.device
-    replay = OnePassReplay(
-        plan, device, through=through, head_dim=layout.head_dim, q_heads=layout.n_q_heads, probe_dtype=param.dtype,
-        scale=layout.scale,
-    )  # fmt: skip
+    plan, device = replay.plan, param.device
     ids, pos = padded_inputs(plan)
     kwargs: dict[str, Any] = {
         "input_ids": ids.to(device), "position_ids": pos.to(device), "use_cache": False, "replay_plan": replay,
@@ -330,9 +337,51 @@ def _replay_one_pass(
         # pseudo-inverse fallback of ridge_solve (one host synchronisation, here at the end)
         logger.warning("one-pass replay: a C2 solve did not factor; replaying by segments instead")
         return None
-    return ReplayOutput(
-        logprobs=logps, entropies=entropies, logits=logits, num_events=[r.num_events for r in plan.rows]
-    )
+    num_events = [r.num_events for r in plan.rows]
+    if order is not None:  # a kept plan of the same trajectories in another order: back to the caller's
+        logps, entropies, logits, num_events = (
+            None if x is None else [x[j] for j in order] for x in (logps, entropies, logits, num_events)
+        )
+    return ReplayOutput(logprobs=logps, entropies=entropies, logits=logits, num_events=num_events)
+
+
+def _one_pass_plan(
+    trajectories: list[Replayable],
+    targets: list[list[int]],
+    temperatures: list[float],
+    configs: list[tuple[int, float]],
+    layout: ModelLayout,
+    param: torch.Tensor,
+    *,
+    through: bool,
+    cache: ReplayPlanCache | None,
+) -> tuple[OnePassReplay, list[int] | None]:
+    """The batch's device plan, built or (with a ``cache``) assembled from kept simulations or kept
+    whole; ``order[i]``: the plan's row of trajectory ``i`` (``None``: in order)."""
+    n_layers, n_kv_heads = layout.n_layers, layout.n_kv_heads
+
+    def build(sims: list[TrajectorySim] | None = None) -> OnePassReplay:
+        plan = build_plan(
+            trajectories, targets=targets, temperatures=temperatures, configs=configs, n_layers=n_layers,
+            n_kv_heads=n_kv_heads, sims=sims,
+        )  # fmt: skip
+        return OnePassReplay(
+            plan, param.device, through=through, head_dim=layout.head_dim, q_heads=layout.n_q_heads,
+            probe_dtype=param.dtype, scale=layout.scale,
+        )  # fmt: skip
+
+    if cache is None:
+        return build(), None
+    sims = [
+        cache.simulation(t, i, tg[-1] if tg else 0, n_probe, ridge, n_layers, n_kv_heads)
+        for i, (t, tg, (n_probe, ridge)) in enumerate(zip(trajectories, targets, configs))
+    ]
+    settings = (n_layers, n_kv_heads, layout.head_dim, layout.n_q_heads, layout.scale, through, param.dtype,
+                param.device)  # fmt: skip
+    items = [(tuple(tg), temp) for tg, temp in zip(targets, temperatures)]
+    replay, order = cache.device_plan(sims, items, settings, lambda: build(sims))
+    replay.reset()
+    return replay, order
 
 
 def _replay_attention_switch(

@@ -22,9 +22,9 @@ and gradients); docs/grpo.md, "Replay in one pass".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch.profiler import record_function
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
 from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
@@ -53,6 +54,15 @@ class _Rows:
     cols: torch.Tensor  # [k]
     vals: torch.Tensor | None  # [L, H, k], None when k = 0
 
+    @classmethod
+    def of(cls, base: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, stage: _Stage, n_layers: int,
+           n_kv_heads: int) -> _Rows:  # fmt: skip
+        """From host arrays (staged for the device): ``base`` ``[n]``, per head ``vals`` ``[L·H, k]``
+        at columns ``cols``."""
+        if not cols.size:
+            return cls(stage(base), stage(np.zeros(0, np.int64)), None)
+        return cls(stage(base), stage(cols), stage(vals, lambda v: v.reshape(n_layers, n_kv_heads, -1)))
+
     def at(self, layer: int, heads: int) -> torch.Tensor:
         """``[H, n]`` at ``layer`` (``[1, n]`` when every head shares the row)."""
         if self.vals is None:
@@ -62,32 +72,93 @@ class _Rows:
         return out
 
 
-class _RowsBuilder:
-    """Host side of :class:`_Rows`: rows appended piece by piece."""
+class _Staged:
+    """A host array bound for the device, and what to make of it there (``then``)."""
 
-    def __init__(self, dtype: type = np.int64) -> None:
-        self.dtype = dtype
-        self.base: list[np.ndarray] = []
-        self.cols: list[np.ndarray] = []
-        self.vals: list[np.ndarray] = []
-        self.n = 0
+    __slots__ = ("array", "then", "value")
 
-    def add(self, base: np.ndarray, cols: np.ndarray | None = None, vals: np.ndarray | None = None) -> None:
-        """Append ``base`` ``[m]``; per head ``vals`` ``[LH, k]`` replace it at columns ``cols``."""
-        self.base.append(base.astype(self.dtype, copy=False))
-        if cols is not None and cols.size:
-            self.cols.append(cols + self.n)
-            self.vals.append(vals.T)  # [k, LH]: concatenated along rows, transposed on the device
-        self.n += base.shape[0]
+    def __init__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.array, self.then, self.value = array, then, None
 
-    def build(self, device: torch.device, n_layers: int, n_kv_heads: int) -> _Rows:
-        dt = torch.long if self.dtype is np.int64 else torch.float32
-        base = torch.as_tensor(np.concatenate(self.base), dtype=dt, device=device)
-        if not self.cols:
-            return _Rows(base, base.new_zeros(0, dtype=torch.long), None)
-        cols = torch.as_tensor(np.concatenate(self.cols), device=device)
-        vals = torch.as_tensor(np.concatenate(self.vals).astype(self.dtype, copy=False), dtype=dt, device=device)
-        return _Rows(base, cols, vals.T.reshape(n_layers, n_kv_heads, -1))
+
+class _Stage:
+    """The device plan's host arrays, sent together: one pinned buffer and one asynchronous copy per
+    dtype (:func:`~compaction_gym.engine.host_copy.upload`) instead of a synchronising copy each."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.items: list[_Staged] = []
+
+    def __call__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+        item = _Staged(array, then)
+        self.items.append(item)
+        return item
+
+    def send(self) -> None:
+        by_dtype: dict[np.dtype, list[_Staged]] = {}
+        for item in self.items:
+            by_dtype.setdefault(item.array.dtype, []).append(item)
+        for items in by_dtype.values():
+            host = [torch.from_numpy(np.ascontiguousarray(i.array)) for i in items]
+            for item, t in zip(items, upload(host, self.device)):
+                item.value = t if item.then is None else item.then(t)
+                item.array = None
+        self.items = []
+
+
+def _resolve(x: Any) -> Any:
+    """``x`` with every :class:`_Staged` inside (dataclass fields, dicts, tuples, lists) replaced by its tensor."""
+    if isinstance(x, _Staged):
+        return x.value
+    if isinstance(x, (_Rows, _Group, _Bucket)):
+        for f in fields(x):
+            setattr(x, f.name, _resolve(getattr(x, f.name)))
+        return x
+    if isinstance(x, dict):
+        return {k: _resolve(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_resolve(v) for v in x)
+    return x
+
+
+@dataclass
+class _Stack:
+    """Snapshots laid end to end, each followed by its piece's own tokens and padding: the columns
+    of a bucket's (or a group's) rows, built in a few array operations instead of per snapshot."""
+
+    kcol: np.ndarray  # [n] key token; -1 on block rows, -2 on padding
+    vcol: np.ndarray  # [n] value source; PER_HEAD on padding
+    row: np.ndarray  # [n] each column's trajectory
+    blocks: np.ndarray  # [k] the block rows' columns
+    snaps: list[Snapshot]
+
+    def per_head(self, name: str, cols: np.ndarray | None = None) -> np.ndarray:
+        """Snapshot field ``name`` (``bk``, ``bv``, ``bb``) ``[LH, k]`` of every block row (or of the
+        block rows ``cols``, indices into ``blocks``): concatenated only where asked (they are large)."""
+        out = np.concatenate([getattr(s, name) for s in self.snaps], 1)
+        return out if cols is None else out[:, cols]
+
+    @classmethod
+    def of(cls, rows: list[int], snaps: list[Snapshot], own: list[np.ndarray] | None = None,
+           pads: list[int] | None = None) -> _Stack:  # fmt: skip
+        kc, vc, lengths = [], [], []
+        pad_k, pad_v = np.full(max(pads or [0]), -2, np.int64), np.full(max(pads or [0]), PER_HEAD, np.int64)
+        for j, snap in enumerate(snaps):
+            kc.append(snap.kcol)
+            vc.append(snap.vcol)
+            n = snap.length
+            if own is not None:
+                kc.append(own[j])
+                vc.append(own[j])
+                n += own[j].size
+            if pads is not None and pads[j]:
+                kc.append(pad_k[: pads[j]])
+                vc.append(pad_v[: pads[j]])
+                n += pads[j]
+            lengths.append(n)
+        kcol = np.concatenate(kc)
+        blocks = np.flatnonzero(kcol == -1)
+        return cls(kcol, np.concatenate(vc), np.repeat(np.asarray(rows, np.int64), lengths), blocks, snaps)
 
 
 @dataclass
@@ -125,7 +196,8 @@ class _Bucket:
     keys: _Rows  # [L, H, P·W] key rows
     values: _Rows  # [L, H, P·W] value rows (raw, then fitted)
     bias: _Rows | None  # [L, H, P·W] float32
-    allowed: torch.Tensor  # [P, n_q, W] bool
+    colpos: torch.Tensor  # [P, W] each column's token (-1: the snapshot's rows, a large value: padding)
+    qpos: torch.Tensor  # [P, n_q] each query's token (padding queries: see every real column)
     qrows: torch.Tensor  # [P, n_q] token rows
 
 
@@ -143,39 +215,59 @@ class OnePassReplay:
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
+        self._stage = stage = _Stage(device)
         self._layout_fits()
         self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
         self._build_buckets()
+        stage.send()
+        self.groups, self.buckets, self.inv = _resolve((self.groups, self.buckets, self.inv))
+        del self._stage
+
+    def reset(self) -> None:
+        """Forget the last pass's state (its masks, its solves' flags) before a kept plan serves another."""
+        self._masks.clear()
+        self.failed = []
 
     # ------------------------------------------------------------------------------- host → device
-    def _key_rows(self, b: int, tokens: np.ndarray, block: bool = False) -> np.ndarray:
-        out = b * self.width + tokens
-        if block and not self.through:
-            out = out + self.rows  # compacted rows read the detached copy of the keys
-        return out
-
-    def _value_rows(self, b: int, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
-        """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``."""
+    def _value_rows(self, b: np.ndarray, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
+        """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``
+        for sources ``vsrc`` of trajectories ``b`` (broadcast)."""
         copies = 1 if self.through else 2
-        fitted = copies * self.rows + self._fitted_pos[np.clip(-1 - vsrc, 0, len(self._fitted_pos) - 1)]
-        raw = b * self.width + vsrc + (0 if self.through else self.rows * np.asarray(block, np.int64))
+        # trajectory b's fitted source -1 - j is the batch's fitted row offsets[b] + j
+        j = np.maximum(np.minimum(-1 - vsrc, self._counts[b] - 1), 0)
+        fitted = (
+            copies * self.rows + self._fitted_pos[np.minimum(self._starts[b] + j, len(self._fitted_pos) - 1)]
+        )
+        raw = b * self.width + vsrc
+        if not self.through:
+            raw = raw + self.rows * np.asarray(block, np.int64)
         return np.where(vsrc >= 0, raw, np.where(vsrc == PER_HEAD, 0, fitted))
 
-    def _snapshot_rows(self, b: int, snap: Snapshot, keys: _RowsBuilder, values: _RowsBuilder | None,
-                       bias: _RowsBuilder | None, pad: int = 0, attention: bool = False) -> None:  # fmt: skip
-        """Append ``snap``'s rows (then ``pad`` zeros) to the builders; ``attention``: rows the
-        attention reads (its block keys are the detached copy when gradients stop at the blocks)."""
-        blocks = snap.blocks
-        zeros = np.zeros(pad, np.int64)
-        keys.add(np.concatenate([np.where(snap.kcol >= 0, self._key_rows(b, snap.kcol), 0), zeros]),
-                 blocks, self._key_rows(b, snap.bk, block=attention))  # fmt: skip
-        if values is not None:
-            varies = snap.vcol[blocks] == PER_HEAD
-            kept = attention & (snap.kcol < 0)  # a kept (not refitted) value is the block's own copy
-            values.add(np.concatenate([self._value_rows(b, snap.vcol, kept), zeros]), blocks[varies],
-                       self._value_rows(b, snap.bv[:, varies], attention))  # fmt: skip
-        if bias is not None:
-            bias.add(np.zeros(snap.length + pad, np.float32), blocks, snap.bb)
+    def _rows(self, st: _Stack, *, values: bool = False, bias: bool = False,
+              attention: bool = False) -> tuple[_Rows, _Rows | None, _Rows | None]:  # fmt: skip
+        """The stack's key rows (and value rows, biases); ``attention``: rows the attention reads
+        (its block keys and kept values are the detached copy when gradients stop at the blocks)."""
+        stage, L, H = self._stage, self.n_layers, self.n_kv_heads
+        brow = st.row[st.blocks]
+        key_vals = st.per_head("bk")
+        key_vals += (brow * self.width + (self.rows if attention and not self.through else 0))[None]
+        keys = _Rows.of(
+            np.where(st.kcol >= 0, st.row * self.width + st.kcol, 0), st.blocks, key_vals, stage, L, H
+        )
+        vals = None
+        if values:
+            varies = np.flatnonzero(st.vcol[st.blocks] == PER_HEAD)
+            kept = attention & (st.kcol == -1)  # a kept (not refitted) value is the block's own copy
+            per_head = (
+                self._value_rows(brow[varies], st.per_head("bv", varies), attention) if varies.size else None
+            )
+            vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], per_head, stage, L, H)
+        b = (
+            _Rows.of(np.zeros(st.kcol.shape, np.float32), st.blocks, st.per_head("bb"), stage, L, H)
+            if bias
+            else None
+        )
+        return keys, vals, b
 
     def _layout_fits(self) -> None:
         """Group the fits and place every fitted row: level by level, group by group, so that a
@@ -192,6 +284,8 @@ class OnePassReplay:
         self._flat_at: dict[int, tuple[int, int, int]] = {}  # fit.first -> (level, flat offset, t)
         self._level_flat_rows: dict[int, int] = {}
         self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
+        offsets = np.array([*plan.fitted_offsets, plan.fitted_rows], np.int64)
+        self._starts, self._counts = offsets[:-1], np.diff(offsets)  # per trajectory, its fitted rows
         self._level_start: dict[int, int] = {}
         self._level_rows: dict[int, int] = {}
         pos = 0
@@ -205,58 +299,56 @@ class OnePassReplay:
             self._level_flat_rows[lv] = flat
             self._level_rows[lv] = pos - self._level_start[lv]
         self._firsts = np.array(sorted(self._flat_at), np.int64)
+        # per fit in ``_firsts`` order: (level, flat offset, t)
+        self._meta = np.array([self._flat_at[int(f)] for f in self._firsts], np.int64).reshape(-1, 3)
 
     def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
-        dev, L, H = self.device, self.n_layers, self.n_kv_heads
+        dev, stage, L, H = self.device, self._stage, self.n_layers, self.n_kv_heads
         E, w, t = len(fs), fs[0].width, fs[0].target
         kind = fs[0].probe[0]
         n = max(f.n_probes for f in fs)
-        keys, bias = _RowsBuilder(), _RowsBuilder(np.float32)
-        for f in fs:
-            self._snapshot_rows(f.row, f.span, keys, None, bias)
-        def per_eh(a: list[np.ndarray], dtype: type) -> torch.Tensor:  # [E, LH, t] -> [L, E·H, t] on the device
-            x = torch.as_tensor(np.stack(a).astype(dtype, copy=False), device=dev)
-            return x.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1)
+        span = _Stack.of([f.row for f in fs], [f.span for f in fs])
+        has_bias = any(np.any(f.span.bb != 0) for f in fs)
+        keys, _, bias = self._rows(span, bias=has_bias)
 
-        vcol = np.concatenate([f.span.vcol for f in fs])
-        raw_rows = np.concatenate([np.where(f.span.vcol >= 0, self._value_rows(f.row, f.span.vcol), 0) for f in fs])
+        def per_eh(a: list[np.ndarray], dtype: type, to: torch.dtype) -> Any:  # [E, LH, t] -> [L, E·H, t]
+            x = np.stack(a, dtype=dtype, casting="same_kind")
+            return stage(x, lambda v: v.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1).to(to))
+
+        vcol = span.vcol
+        raw_rows = np.where(vcol >= 0, self._value_rows(span.row, vcol), 0)
         g = _Group(
-            width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E,
-            keys=keys.build(dev, L, H),
-            bias=bias.build(dev, L, H) if any(np.any(f.span.bb != 0) for f in fs) else None,
-            kept=per_eh([f.kept for f in fs], np.int32 if w < 2**31 else np.int64).long(),  # half the copy
-            beta=per_eh([f.beta for f in fs], np.float32) if fs[0].beta is not None else None,
-            raw_idx=torch.as_tensor(raw_rows, device=dev),
-            raw_mask=torch.as_tensor((vcol >= 0).reshape(E, 1, 1, w), device=dev),
+            width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E, keys=keys, bias=bias,
+            kept=per_eh([f.kept for f in fs], np.int16 if w < 2**15 else np.int64, torch.long),  # 1/4 of the copy
+            beta=per_eh([f.beta for f in fs], np.float32, torch.float32) if fs[0].beta is not None else None,
+            raw_idx=stage(raw_rows), raw_mask=stage((vcol >= 0).reshape(E, 1, 1, w)),
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
         )  # fmt: skip
         counts = np.array([f.n_probes for f in fs])
         if (counts != n).any():
-            g.probe_mask = torch.as_tensor(np.arange(n)[None, :] < counts[:, None], device=dev)
+            g.probe_mask = stage(np.arange(n)[None, :] < counts[:, None])
         groups = self._q_heads // H if kind == "suffix" else 1
-        g.probe_counts = torch.as_tensor(np.repeat(counts * groups, H), device=dev)
+        g.probe_counts = stage(np.repeat(counts * groups, H))
         fitted = [np.flatnonzero(f.span.vcol < 0) for f in fs]
         width = max(len(c) for c in fitted)
         if width:
             cols = np.zeros((E, width), np.int64)
             for e, c in enumerate(fitted):
                 cols[e, : len(c)] = c
-            g.fit_cols = torch.as_tensor(cols, device=dev).repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1)
-            g.fit_valid = torch.as_tensor(
-                (np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]).reshape(E, 1, 1, width),
-                device=dev,
-            )
+            g.fit_cols = stage(cols, lambda c: c.repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1))
+            valid = np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]
+            g.fit_valid = stage(valid.reshape(E, 1, 1, width))
         if kind == "suffix":
             rows = np.zeros((E, n), np.int64)
             for e, f in enumerate(fs):
                 a, b = f.probe[1], f.probe[2]
                 rows[e, : b - a] = f.row * self.width + np.arange(a, b)
-            g.probe_idx = torch.as_tensor(rows, device=dev)
+            g.probe_idx = stage(rows)
         elif kind == "keys":
-            probe_keys = _RowsBuilder()
-            for f in fs:
-                self._snapshot_rows(f.row, f.probe[1], probe_keys, None, None, pad=n - f.n_probes)
-            g.probe_idx = probe_keys.build(dev, L, H)
+            probe = _Stack.of(
+                [f.row for f in fs], [f.probe[1] for f in fs], pads=[n - f.n_probes for f in fs]
+            )
+            g.probe_idx = self._rows(probe)[0]
         else:  # random
             probes = torch.zeros(L, E, H, n, head_dim, dtype=probe_dtype, device=dev)
             for e, f in enumerate(fs):
@@ -268,7 +360,7 @@ class OnePassReplay:
             hi = lo + sum(1 for f in fs if f.level == lv)
             g.slices[lv] = (lo, hi)
             if lv > 0:
-                g.chain[lv] = self._chain(fs[lo:hi], g.fit_cols.shape[-1])
+                g.chain[lv] = self._chain(fs[lo:hi], width)
             lo = hi
         return g
 
@@ -276,22 +368,20 @@ class OnePassReplay:
         """Where the fitted rows the spans of ``fs`` read lie in the event-major C2 of the levels
         they come from (concatenated): ``(levels, rows [E·H·f])`` (padding: row 0)."""
         H = self.n_kv_heads
-        firsts = self._firsts
-        meta = np.array([self._flat_at[int(f)] for f in firsts], np.int64).reshape(-1, 3)  # level, offset, t
+        firsts, meta = self._firsts, self._meta
         rows = np.zeros((len(fs), H, width), np.int64)
-        ids = [-1 - f.span.vcol[f.span.vcol < 0] for f in fs]
-        owners = [np.searchsorted(firsts, j, side="right") - 1 for j in ids]
-        refs = sorted({int(x) for o in owners for x in np.unique(meta[o, 0])})
+        ids = [self._starts[f.row] - 1 - f.span.vcol[f.span.vcol < 0] for f in fs]  # the batch's fitted rows
+        lens = np.array([len(j) for j in ids])
+        j = np.concatenate(ids)
+        e = np.repeat(np.arange(len(fs)), lens)  # each id's fit, and its column in that fit's span
+        col = np.arange(j.size) - np.repeat(np.cumsum(lens) - lens, lens)
+        o = np.searchsorted(firsts, j, side="right") - 1  # the fit that owns it
+        lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
+        refs = np.unique(lv).tolist()
         at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)
-        start = 0
-        for lv in refs:
-            at[lv] = start
-            start += self._level_flat_rows[lv]
-        heads = np.arange(H)[:, None]
-        for e, (j, o) in enumerate(zip(ids, owners)):
-            lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
-            rows[e, :, : len(j)] = (at[lv] + off + j - firsts[o])[None, :] + heads * t[None, :]
-        return refs, torch.as_tensor(rows.reshape(-1), device=self.device)
+        at[refs] = np.cumsum([0] + [self._level_flat_rows[x] for x in refs[:-1]])
+        rows[e, :, col] = (at[lv] + off + j - firsts[o])[:, None] + np.arange(H)[None, :] * t[:, None]
+        return refs, self._stage(rows.reshape(-1))
 
     def _build_buckets(self) -> None:
         plan = self.plan
@@ -310,39 +400,33 @@ class OnePassReplay:
             nq = self.buckets[k].queries
             for j, p in enumerate(ps):
                 inv[p.row * self.width + np.arange(p.q0, p.q1)] = offsets[k] + j * nq + np.arange(p.q1 - p.q0)
-        self.inv = torch.as_tensor(inv, device=self.device)
+        self.inv = self._stage(inv)
 
     def _bucket(self, ps: list[Piece]) -> _Bucket:
-        plan, dev = self.plan, self.device
-        L, H = self.n_layers, self.n_kv_heads
+        plan, stage = self.plan, self._stage
         P = len(ps)
         W = max(p.width(plan.snapshots[p.ctx].length) for p in ps)
         nq = max(p.q1 - p.q0 for p in ps)
         big = np.iinfo(np.int64).max
-        keys, values = _RowsBuilder(), _RowsBuilder()
-        bias = _RowsBuilder(np.float32) if plan.has_bias else None
         colpos = np.full((P, W), big, np.int64)
         qrows = np.zeros((P, nq), np.int64)
         qpos = np.full((P, nq), big - 1, np.int64)  # padding queries see every real column
+        snaps, own, pads = [], [], []
         for j, p in enumerate(ps):
             snap = plan.snapshots[p.ctx]
-            c, own = snap.length, np.arange(p.start, p.q1)
-            pad = W - c - own.size
-            self._snapshot_rows(p.row, snap, keys, values, bias, attention=True)
-            own_rows = np.concatenate([p.row * self.width + own, np.zeros(pad, np.int64)])
-            keys.add(own_rows)
-            values.add(own_rows)
-            if bias is not None:
-                bias.add(np.zeros(own.size + pad, np.float32))
+            c, mine = snap.length, np.arange(p.start, p.q1)
+            snaps.append(snap)
+            own.append(mine)
+            pads.append(W - c - mine.size)
             colpos[j, :c] = -1
-            colpos[j, c : c + own.size] = own
+            colpos[j, c : c + mine.size] = mine
             qrows[j, : p.q1 - p.q0] = p.row * self.width + np.arange(p.q0, p.q1)
             qpos[j, : p.q1 - p.q0] = np.arange(p.q0, p.q1)
+        keys, values, bias = self._rows(_Stack.of([p.row for p in ps], snaps, own, pads), values=True,
+                                        bias=plan.has_bias, attention=True)  # fmt: skip
         return _Bucket(
-            pieces=P, queries=nq, width=W, keys=keys.build(dev, L, H), values=values.build(dev, L, H),
-            bias=None if bias is None else bias.build(dev, L, H),
-            allowed=torch.as_tensor(colpos, device=dev)[:, None, :] <= torch.as_tensor(qpos, device=dev)[:, :, None],
-            qrows=torch.as_tensor(qrows, device=dev),
+            pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
+            colpos=stage(colpos), qpos=stage(qpos), qrows=stage(qrows),
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------- per layer
@@ -359,7 +443,9 @@ class OnePassReplay:
         value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
         flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
         with record_function("replay.attention"):
-            outs = [self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets]
+            outs = [
+                self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets
+            ]
             outs.append(outs[0].new_zeros(1, Hq, outs[0].shape[-1]))
         return torch.cat(outs).index_select(0, self.inv).reshape(B, N, Hq, -1)
 
@@ -388,8 +474,9 @@ class OnePassReplay:
         """The bucket's additive mask ``[P, 1, G·n_q, W]`` (the same at every layer: built once)."""
         key = (id(b), dtype)
         if key not in self._masks:
-            m = torch.zeros(b.allowed.shape, dtype=dtype, device=self.device)
-            m.masked_fill_(~b.allowed, float("-inf"))
+            allowed = b.colpos[:, None, :] <= b.qpos[:, :, None]  # [P, n_q, W]
+            m = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            m.masked_fill_(~allowed, float("-inf"))
             self._masks[key] = m[:, None].repeat(1, 1, groups, 1)
         return self._masks[key]
 
@@ -725,7 +812,9 @@ def score_hidden(
             ents.append(_aligned(ent_parts, targets, len(row.tokens), hidden))
         if logits_out is not None:
             width = lm_head.weight.shape[0]
-            logits_out.append(torch.cat(lg_parts) if lg_parts else hidden.new_zeros(0, width, dtype=torch.float32))
+            logits_out.append(
+                torch.cat(lg_parts) if lg_parts else hidden.new_zeros(0, width, dtype=torch.float32)
+            )
     return logps, ents, logits_out
 
 
@@ -739,7 +828,9 @@ def _aligned(parts: Sequence[torch.Tensor], targets: list[int], n: int, like: to
     return flat.new_zeros(n).index_put((idx,), flat)
 
 
-def fused_scores(out: Any, plan: Plan, compute_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def fused_scores(
+    out: Any, plan: Plan, compute_entropy: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Log-probs (entropies) from TRL's fused LM head output (``log_probs`` ``[B, N]``, shifted labels)."""
     logps, ents = [], [] if compute_entropy else None
     for b, row in enumerate(plan.rows):

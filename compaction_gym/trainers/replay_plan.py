@@ -11,7 +11,7 @@ sides). So the plan below can describe every cache row the rollout ever attended
 
 * a key source: a token position,
 * a value source: a token position (``>= 0``) or a fitted row (``-1 - j``, row ``j`` of the
-  plan's C2 table),
+  trajectory's C2 table),
 * a constant bias (β; 0 for raw rows),
 
 raw rows shared by every (layer, KV head), a block's rows per head (:class:`Snapshot`),
@@ -23,6 +23,7 @@ half only gathers and solves.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -64,7 +65,7 @@ class Snapshot:
     Attributes:
         kcol: ``[T]`` the raw row's token, ``-1`` on block rows.
         vcol: ``[T]`` the row's value source when every head shares it (a token ``>= 0`` or a
-            fitted row ``< 0``), :data:`PER_HEAD` otherwise.
+            fitted row ``-1 - j``, ``j`` counted within the trajectory), :data:`PER_HEAD` otherwise.
         bk, bv, bb: ``[LH, nb]`` per head, the block rows' key token, value source and bias.
     """
 
@@ -83,22 +84,35 @@ class Snapshot:
         """Rows of compacted blocks, ascending."""
         return np.flatnonzero(self.kcol < 0)
 
-    @cached_property
-    def block_rank(self) -> np.ndarray:
-        """``[T]`` each row's rank among the blocks' rows (a raw row: the next block row's, clipped)."""
-        return np.minimum(np.cumsum(self.kcol < 0) - (self.kcol < 0), max(len(self.blocks) - 1, 0))
+    def block_range(self, start: int, end: int) -> tuple[int, int]:
+        """The ranks ``[lo, hi)`` of the block rows inside rows ``[start, end)`` (blocks ascend)."""
+        lo, hi = np.searchsorted(self.blocks, (start, end))
+        return int(lo), int(hi)
 
-    def rows_at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources and biases."""
-        kcol = self.kcol[rows]
+    def rows_at(self, rows: np.ndarray, values: bool = True,
+                bias: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:  # fmt: skip
+        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources (``None`` unless
+        ``values``) and biases (zeros unless ``bias``: the cache holds no β)."""
+        kcol = np.take(self.kcol, rows)
         in_block = kcol < 0
         if not in_block.any():
-            return kcol, self.vcol[rows], np.zeros(rows.shape, np.float32)
-        # per head, the rank of each row among the blocks' rows, as an index into the flat arrays
-        flat = self.block_rank[rows] + np.arange(rows.shape[0])[:, None] * len(self.blocks)
-        k = np.where(in_block, self.bk.ravel()[flat], kcol)
-        v = np.where(in_block, self.bv.ravel()[flat], self.vcol[rows])
-        b = np.where(in_block, self.bb.ravel()[flat], np.float32(0))
+            return kcol, np.take(self.vcol, rows) if values else None, np.zeros(rows.shape, np.float32)
+        raw = ~in_block
+        # per head, each row's rank among the blocks' rows, as an index into the flat [LH, nb] arrays
+        nb = len(self.blocks)
+        flat = np.take(np.cumsum(self.kcol < 0) - 1, rows)
+        flat += np.arange(0, rows.shape[0] * nb, nb)[:, None]
+        flat[raw] = 0  # raw rows (rank -1 before the first block): any valid index, overwritten
+        k = np.take(self.bk, flat)
+        np.copyto(k, kcol, where=raw)
+        v = None
+        if values:
+            v = np.take(self.bv, flat)
+            np.copyto(v, np.take(self.vcol, rows), where=raw)
+        if not bias:
+            return k, v, np.zeros(rows.shape, np.float32)
+        b = np.take(self.bb, flat)
+        b[raw] = 0
         return k, v, b
 
 
@@ -112,10 +126,10 @@ class Fit:
     row: int  # trajectory
     event: CompactionEvent
     span: Snapshot  # the span's rows
-    kept: np.ndarray  # [LH, t] kept rows, relative to the span
+    kept: np.ndarray  # [LH, t] kept rows, relative to the span (int16 when the span is narrower than 2**15)
     beta: np.ndarray | None  # [LH, t] recorded β, or None (kept rows keep their bias)
     probe: tuple  # ("suffix", a, b) | ("keys", Snapshot of the probe rows) | ("random", seed, index, n)
-    first: int  # its fitted rows are first .. first + t - 1
+    first: int  # its fitted rows are first .. first + t - 1 (in a TrajectorySim: of the trajectory)
     level: int  # 1 + the deepest fit whose rows its span reads (0: raw rows only)
     ridge: float
 
@@ -163,7 +177,8 @@ class TrajectoryPlan:
 
 @dataclass
 class Plan:
-    """A batch's replay plan (host side)."""
+    """A batch's replay plan (host side): the trajectories' :class:`TrajectorySim` laid end to end
+    (fits numbered across the batch, snapshot indices and rows shifted)."""
 
     rows: list[TrajectoryPlan]
     width: int  # padded sequence length
@@ -173,8 +188,41 @@ class Plan:
     snapshots: list[Snapshot] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
     fitted_rows: int = 0
-    fitted_levels: list[int] = field(default_factory=list)  # per fitted row, its fit's level
+    # per row, where its fitted rows begin: row ``b``'s value source ``-1 - j`` is fitted row
+    # ``fitted_offsets[b] + j`` of the batch (sources are numbered per trajectory, docs/grpo.md)
+    fitted_offsets: list[int] = field(default_factory=list)
     has_bias: bool = False
+
+
+@dataclass
+class TrajectorySim:
+    """One trajectory's cache states, independent of the batch it is replayed in: its fits
+    (``row`` 0, ``first`` counted from 0), snapshots and pieces (``row`` 0, ``ctx`` into
+    ``snapshots``). Read-only once built: plans share its arrays."""
+
+    end: int
+    tokens: list[int] = field(default_factory=list)  # the trajectory's token ids
+    num_events: int = 0
+    fits: list[Fit] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    fitted_rows: int = 0
+    has_bias: bool = False
+    _levels: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64), repr=False)
+
+    def add_fitted(self, t: int, level: int) -> None:
+        """Number ``t`` more fitted rows, of a fit at ``level``."""
+        need = self.fitted_rows + t
+        if need > self._levels.shape[0]:
+            self._levels = np.concatenate(
+                [self._levels, np.zeros(max(need, 2 * self._levels.shape[0]), np.int64)]
+            )
+        self._levels[self.fitted_rows : need] = level
+        self.fitted_rows = need
+
+    def levels_of(self, rows: np.ndarray) -> np.ndarray:
+        """The levels of the fits that own fitted rows ``rows``."""
+        return self._levels[rows]
 
 
 def build_plan(
@@ -186,6 +234,7 @@ def build_plan(
     n_layers: int,
     n_kv_heads: int,
     piece_queries: int = PIECE_QUERIES,
+    sims: list[TrajectorySim | None] | None = None,
 ) -> Plan:
     """Simulate every trajectory's cache through its events (validated against the records).
 
@@ -196,19 +245,46 @@ def build_plan(
         configs: per trajectory, ``(n_probe_queries, ridge)`` of its session.
         n_layers, n_kv_heads: the model's cache layout.
         piece_queries: longest query run of one attention piece.
+        sims: per trajectory, its :func:`simulate` output when already known (``None`` entries:
+            simulated here), e.g. from a :class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache`.
 
     Raises:
         InvalidArgumentError: a record that does not match what replay rebuilds (as the
             segment-by-segment replay words it).
     """
+    known = sims if sims is not None else [None] * len(trajectories)
+    out = []
+    for i, (traj, tg, (n_probe, ridge), sim) in enumerate(zip(trajectories, targets, configs, known)):
+        if sim is None:
+            sim = simulate(traj, i, tg[-1] if tg else 0, n_probe, ridge, n_layers, n_kv_heads, piece_queries)
+        out.append(sim)
+    return assemble(out, targets=targets, temperatures=temperatures, n_layers=n_layers, n_kv_heads=n_kv_heads)
+
+
+def assemble(sims: list[TrajectorySim], *, targets: list[list[int]], temperatures: list[float], n_layers: int,
+             n_kv_heads: int) -> Plan:  # fmt: skip
+    """The batch's :class:`Plan` from its trajectories' simulations (no copies of their arrays)."""
     rows = []
-    for traj, tg, temp in zip(trajectories, targets, temperatures):
-        tokens = [int(t) for t in traj.token_ids]
-        rows.append(TrajectoryPlan(tokens, tg[-1] if tg else 0, tg, temp, 0))
+    for tg, temp, sim in zip(targets, temperatures, sims):
+        rows.append(TrajectoryPlan(sim.tokens, sim.end, tg, temp, sim.num_events))
     plan = Plan(rows, max([r.end for r in rows] + [1]), n_layers, n_kv_heads)
-    for i, (traj, (n_probe, ridge)) in enumerate(zip(trajectories, configs)):
-        _simulate(plan, i, traj, n_probe, ridge, piece_queries)
+    for i, sim in enumerate(sims):
+        ctx0, first0 = len(plan.snapshots), plan.fitted_rows
+        plan.fitted_offsets.append(first0)
+        plan.snapshots += sim.snapshots
+        plan.pieces += [Piece(i, p.q0, p.q1, p.start, p.ctx + ctx0) for p in sim.pieces]
+        plan.fits += [_moved(f, i, first0) for f in sim.fits]
+        plan.fitted_rows += sim.fitted_rows
+        plan.has_bias |= sim.has_bias
     return plan
+
+
+def _moved(fit: Fit, row: int, first0: int) -> Fit:
+    """``fit`` as row ``row`` of a batch whose fitted rows before it number ``first0`` (a shallow copy:
+    ``dataclasses.replace`` re-runs ``__init__``, several times slower at 180 fits a batch)."""
+    out = copy.copy(fit)
+    out.row, out.first = row, fit.first + first0
+    return out
 
 
 def checked_events(traj: Any, index: int, end: int) -> list[CompactionEvent]:
@@ -227,39 +303,46 @@ def checked_events(traj: Any, index: int, end: int) -> list[CompactionEvent]:
     return [e for e in events if e.logical_len < end]
 
 
-def _simulate(plan: Plan, i: int, traj: Any, n_probe: int, ridge: float, piece_queries: int) -> None:
-    row = plan.rows[i]
-    lh = plan.n_layers * plan.n_kv_heads
-    events = checked_events(traj, i, row.end)
-    row.num_events = len(events)
+def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_layers: int, n_kv_heads: int,
+             piece_queries: int = PIECE_QUERIES) -> TrajectorySim:  # fmt: skip
+    """Trajectory ``index``'s cache through its events up to token ``end`` (checked against the
+    records; ``index`` only names it in errors)."""
+    sim = TrajectorySim(end, [int(t) for t in traj.token_ids])
+    lh = n_layers * n_kv_heads
+    events = checked_events(traj, index, end)
+    sim.num_events = len(events)
     empty = np.zeros((lh, 0), np.int64)
-    state = Snapshot(np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32))
+    state = Snapshot(
+        np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32)
+    )
     row_map = RowMap()
     fed, e_next = 0, 0
-    while fed < row.end or (e_next < len(events) and events[e_next].logical_len == fed):
+    while fed < end or (e_next < len(events) and events[e_next].logical_len == fed):
         if e_next < len(events) and events[e_next].logical_len == fed:
             ev = events[e_next]
-            state, fit = _apply(plan, i, ev, state, row_map, n_probe, ridge)
+            state, fit = _apply(sim, index, lh, ev, state, row_map, n_probe, ridge)
             if fit is not None:
-                plan.fits.append(fit)
+                sim.fits.append(fit)
             e_next += 1
             continue
-        stop = events[e_next].logical_len if e_next < len(events) else row.end
-        ctx = len(plan.snapshots)
-        plan.snapshots.append(state)
+        stop = events[e_next].logical_len if e_next < len(events) else end
+        ctx = len(sim.snapshots)
+        sim.snapshots.append(state)
         for q0 in range(fed, stop, piece_queries):
-            plan.pieces.append(Piece(i, q0, min(stop, q0 + piece_queries), fed, ctx))
+            sim.pieces.append(Piece(0, q0, min(stop, q0 + piece_queries), fed, ctx))
         raw = np.arange(fed, stop, dtype=np.int64)
         state = Snapshot(
             np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]), state.bk, state.bv, state.bb
         )
         row_map.append(fed, stop - fed)
         fed = stop
+    return sim
 
 
 def _apply(
-    plan: Plan,
+    sim: TrajectorySim,
     i: int,
+    lh: int,
     ev: CompactionEvent,
     state: Snapshot,
     row_map: RowMap,
@@ -283,53 +366,54 @@ def _apply(
             f"{where}: rows {ev.span} stand for logical tokens "
             f"{row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
         )
-    lh = plan.n_layers * plan.n_kv_heads
     indices = ev.forced_indices().numpy()
     t = indices.shape[1]
     if indices.shape[0] != lh:
         raise InvalidArgumentError(
             f"{where}: indices hold {indices.shape[0]} (layer, KV head) rows, the model has {lh}"
         )
-    if t and (indices[:, 0].min() < start or indices[:, -1].max() >= end or (indices[:, 1:] <= indices[:, :-1]).any()):
+    if t and (
+        indices[:, 0].min() < start
+        or indices[:, -1].max() >= end
+        or (indices[:, 1:] <= indices[:, :-1]).any()
+    ):
         raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
-    local = indices - start
-    kept_k, kept_v, old_b = state.rows_at(indices)
+    # span-relative kept rows, stored narrow (the device plan uploads them for every event)
+    local = (indices - start).astype(np.int16 if end - start < 2**15 else np.int64)
+    refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
+    kept_k, kept_v, old_b = state.rows_at(indices, values=not refit, bias=sim.has_bias)
     beta = ev.recorded_beta()
     beta_np = None if beta is None or not ev.compute_beta else beta.numpy().astype(np.float32)
     kept_b = beta_np if beta_np is not None else old_b
+    lo, hi = state.block_range(start, end)  # the blocks inside the span: ranks [lo, hi)
     fit = None
-    if replay_needs_probes(ev.mode, ev.refit_values):
-        first = plan.fitted_rows
-        plan.fitted_rows += t
+    if refit:
+        first = sim.fitted_rows
         span_vcol = state.vcol[start:end]
         if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
-        refs = np.unique(-1 - span_vcol[span_vcol < 0])
-        level = 1 + max((plan.fitted_levels[r] for r in refs.tolist()), default=-1)
-        plan.fitted_levels.extend([level] * t)
-        blocks = state.blocks
-        inside = (blocks >= start) & (blocks < end)
+        refs = -1 - span_vcol[span_vcol < 0]
+        level = 1 + (int(sim.levels_of(refs).max()) if refs.size else -1)
+        sim.add_fitted(t, level)
         span = Snapshot(
-            state.kcol[start:end].copy(), span_vcol.copy(), state.bk[:, inside], state.bv[:, inside], state.bb[:, inside]
-        )
+            state.kcol[start:end], span_vcol, state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi]
+        )  # views: snapshots are never written
         fit = Fit(
-            row=i, event=ev, span=span, kept=local, beta=beta_np,
+            row=0, event=ev, span=span, kept=local, beta=beta_np,
             probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, level=level, ridge=ridge,
         )  # fmt: skip
         new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
-        kept_v = np.repeat(new_vcol[None], lh, 0)
+        kept_v = np.broadcast_to(new_vcol, (lh, t))
     else:
         new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
     if beta_np is not None and np.any(beta_np != 0):
-        plan.has_bias = True
-    blocks = state.blocks
-    before, after = blocks < start, blocks >= end
+        sim.has_bias = True
     out = Snapshot(
         np.concatenate([state.kcol[:start], np.full(t, -1, np.int64), state.kcol[end:]]),
         np.concatenate([state.vcol[:start], new_vcol, state.vcol[end:]]),
-        np.concatenate([state.bk[:, before], kept_k, state.bk[:, after]], 1),
-        np.concatenate([state.bv[:, before], kept_v, state.bv[:, after]], 1),
-        np.concatenate([state.bb[:, before], kept_b.astype(np.float32), state.bb[:, after]], 1),
+        np.concatenate([state.bk[:, :lo], kept_k, state.bk[:, hi:]], 1),
+        np.concatenate([state.bv[:, :lo], kept_v, state.bv[:, hi:]], 1),
+        np.concatenate([state.bb[:, :lo], kept_b.astype(np.float32, copy=False), state.bb[:, hi:]], 1),
     )
     row_map.replace(start, end, t, ev.logical_span)
     if out.length != ev.kv_len_after:
@@ -344,10 +428,9 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
         raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
     if ev.probe_source == "keys":
         rows = key_probe_rows(ev, row_map, state.length, n_probe, where)
-        blocks = state.blocks
-        inside = (blocks >= rows[0]) & (blocks < rows[1])
-        probe = Snapshot(state.kcol[rows[0] : rows[1]].copy(), state.vcol[rows[0] : rows[1]].copy(),
-                         state.bk[:, inside], state.bv[:, inside], state.bb[:, inside])  # fmt: skip
+        lo, hi = state.block_range(*rows)
+        probe = Snapshot(state.kcol[rows[0] : rows[1]], state.vcol[rows[0] : rows[1]],
+                         state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi])  # fmt: skip
         return ("keys", probe)
     if ev.probe_source in SUFFIX_SOURCES:
         a, b = ev.probe_logical_range
@@ -365,7 +448,9 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
     raise InvalidArgumentError(f"{where}: probe_source {ev.probe_source!r} cannot be replayed in one pass")
 
 
-def key_probe_rows(ev: CompactionEvent, row_map: RowMap, length: int, n_probe: int, where: str) -> tuple[int, int]:
+def key_probe_rows(
+    ev: CompactionEvent, row_map: RowMap, length: int, n_probe: int, where: str
+) -> tuple[int, int]:
     """The cache rows ``(lo, hi)`` of a ``keys`` event's probes, checked against its logical range
     (version-1 records without ``probe_rows``: located as the engine chose them)."""
     rows = ev.probe_rows

@@ -220,9 +220,19 @@ def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch):
 
     monkeypatch.setattr(module, "replay_logprobs_batch", recording)
     trainer = CompactionGRPOTrainer(
-        model, args, reward_funcs=[even_tokens], processing_class=AutoTokenizer.from_pretrained(tiny_model_path)
+        model,
+        args,
+        reward_funcs=[even_tokens],
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
     )
     trainer.train()
     assert methods and set(methods) == {"one_pass"}
-    logged = [h["replay/max_abs_logprob_diff"] for h in trainer.state.log_history if "replay/max_abs_logprob_diff" in h]
+    # the reference pass planned the episodes; the policy pass over the same two reused that plan
+    stats = trainer._plan_cache.stats
+    assert stats.simulations_built == 2 and stats.device_plans_built == 1 and stats.device_plans_reused >= 1
+    logged = [
+        h["replay/max_abs_logprob_diff"]
+        for h in trainer.state.log_history
+        if "replay/max_abs_logprob_diff" in h
+    ]
     assert logged and max(logged) < 1e-4

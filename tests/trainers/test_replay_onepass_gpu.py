@@ -23,7 +23,9 @@ def test_one_pass_equals_segments_on_the_gpu_in_bf16(tiny_model_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    engine = Engine.from_pretrained(tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=3, capacity=1024)
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=3, capacity=1024
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).cuda().eval()
     views = [plain_session(engine, config(m, "kv_budget"), seed=s, turns=4)
              for s, m in enumerate(("attention_matching+beta", "attention_matching", "markovian"))]  # fmt: skip
@@ -46,7 +48,9 @@ def test_one_pass_equals_segments_on_the_gpu_in_float32(tiny_model_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    engine = Engine.from_pretrained(tiny_model_path, dtype=torch.float32, device="cuda", max_slots=2, capacity=1024)
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cuda", max_slots=2, capacity=1024
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda().eval()
     views = [plain_session(engine, config(m, "kv_budget"), seed=s, turns=4)
              for s, m in enumerate(("attention_matching+beta", "attention_matching"))]  # fmt: skip
@@ -91,3 +95,31 @@ def test_one_pass_gradients_on_the_gpu(tiny_model_path, monkeypatch, dtype):
     for name in one_pass:
         scale = other[name].abs().max().clamp_min(1e-12)
         assert ((one_pass[name] - other[name]).abs().max() / scale).item() < bound, name
+
+
+@pytest.mark.gpu
+def test_kept_plans_on_the_gpu(tiny_model_path):
+    """A ``ReplayPlanCache`` on the GPU (the device plan sent in pinned asynchronous copies, then kept):
+    later passes in another order and chunking, with and without gradients, give the fresh plan's
+    log-probs (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from compaction_gym.engine import Engine
+    from compaction_gym.trainers.replay_cache import ReplayPlanCache
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cuda", max_slots=3, capacity=1024
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda().eval()
+    views = [plain_session(engine, config(m, t), seed=s, turns=4)
+             for s, (m, t) in enumerate((("attention_matching+beta", "kv_budget"), ("attention_matching", "turn"),
+                                         ("h2o", "kv_budget")))]  # fmt: skip
+    cache = ReplayPlanCache()
+    for batch, grad in ((views, False), (views[::-1], True), (views[1:], True), (views[:1], False)):
+        kept = replay_logprobs_batch(model, batch, method="one_pass", grad=grad, plan_cache=cache)
+        fresh = replay_logprobs_batch(model, batch, method="one_pass", grad=grad)
+        for x, y in zip(kept.logprobs, fresh.logprobs):
+            assert (x.detach() - y.detach()).abs().max().item() < 1e-5
+    assert cache.stats.device_plans_reused == 1 and cache.stats.simulations_built == len(views)

@@ -91,6 +91,15 @@ class CompactionGRPOConfig(GRPOConfig):
             "of the forwards of 4 chunks of 8 (one pass: one forward either way); the results do not depend on it."
         },
     )
+    replay_plan_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the one-pass replay plans of a generation batch for its later log-prob passes: each "
+            "episode's simulation (host) and each chunk's device plan (index tensors on the GPU, tens of MB per "
+            "chunk of 8 long episodes), dropped at the next rollout. False rebuilds them at every pass; the "
+            "results do not depend on it."
+        },
+    )
     log_replay_mismatch: bool = field(
         default=True,
         metadata={
@@ -155,7 +164,9 @@ class CompactionGRPOConfig(GRPOConfig):
                 f"engine_continuous must be true or false, got {self.engine_continuous!r}"
             )
         if self.replay_method not in REPLAY_METHODS:
-            raise InvalidArgumentError(f"replay_method must be one of {REPLAY_METHODS}, got {self.replay_method!r}")
+            raise InvalidArgumentError(
+                f"replay_method must be one of {REPLAY_METHODS}, got {self.replay_method!r}"
+            )
         for name in ("num_episodes", "replay_max_tokens_per_forward"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -30,6 +30,7 @@ from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.grpo.grpo_config import CompactionGRPOConfig
 from compaction_gym.trainers.replay import ReplayOutput, replay_logprobs_batch
 from compaction_gym.trainers.replay_attention import install_replay_attention, unwrap
+from compaction_gym.trainers.replay_cache import ReplayPlanCache
 from compaction_gym.trainers.rollouts import (
     EnvRollouts,
     EnvsLike,
@@ -131,6 +132,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
         self._round_in_step = 0
         self._warned_overshoot = False
         self._generation_step = -1
+        self._plan_cache: ReplayPlanCache | None = None  # made below, once TRL's batch sizes are known
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental", category=UserWarning)
             super().__init__(
@@ -153,6 +155,13 @@ class CompactionGRPOTrainer(GRPOTrainer):
         if self.ref_model is not None:
             install_replay_attention(self.ref_model)
         generation_batch = args.per_device_train_batch_size * args.steps_per_generation
+        if args.replay_plan_cache:
+            # one device plan per chunk a generation batch is replayed in: the passes without gradient
+            # (old, reference) and the micro-batches (again at every iteration when num_iterations > 1)
+            chunk = args.replay_inference_batch_size or args.per_device_train_batch_size
+            self._plan_cache = ReplayPlanCache(
+                max_device_plans=-(-generation_batch // chunk) + args.steps_per_generation
+            )
         self.rollouts = EnvRollouts(
             self.model,
             self._tokenizer,
@@ -191,6 +200,8 @@ class CompactionGRPOTrainer(GRPOTrainer):
                 )
             )
         trajectories = self.rollouts.run(specs)
+        if self._plan_cache is not None:
+            self._plan_cache.clear()  # the previous batch's plans are never replayed again
         self._rollout_trajectories = trajectories
         self._active = trajectories  # the old/reference log-prob passes inside super() replay these
         compaction = self.rollouts.compaction
@@ -288,6 +299,7 @@ class CompactionGRPOTrainer(GRPOTrainer):
                 temperature=self.temperature,
                 max_tokens_per_forward=self.args.replay_max_tokens_per_forward,
                 method=self.args.replay_method,
+                plan_cache=self._plan_cache,
                 **kwargs,
             )
 
