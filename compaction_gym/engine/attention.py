@@ -126,29 +126,19 @@ def folded_bias_sdpa(
     takes it for half-precision models; ``mask`` is additive, broadcastable to ``[B, H_kv, G·N, S]``."""
     d = query.shape[-1]
     scale = scaling if scaling is not None else d**-0.5
-    pad = FOLD_PAD - BIAS_COLUMNS
-    key = torch.cat([key, fold_terms(bias, scale, key.dtype), key.new_zeros(*key.shape[:-1], pad)], -1)
-    dv = value.shape[-1]
-    value = torch.nn.functional.pad(value, (0, FOLD_PAD))
-    return grouped_sdpa(fold_queries(query), key, value, mask, scaling=scale, dropout=dropout)[..., :dv]
-
-
-def fold_terms(bias: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``bias / scale`` as :data:`BIAS_COLUMNS` terms of ``dtype`` summing to it (``[..., 3]``): the
-    key columns of :func:`folded_bias_sdpa`."""
     rest = bias.float() / scale
     terms = []
     for _ in range(BIAS_COLUMNS):
-        term = rest.to(dtype)
+        term = rest.to(key.dtype)
         terms.append(term)
         rest = rest - term.float()
-    return torch.stack(terms, -1)
-
-
-def fold_queries(query: torch.Tensor) -> torch.Tensor:
-    """``[q, 1, 1, 1, 0…]``: the queries of :func:`folded_bias_sdpa` (``FOLD_PAD`` more columns)."""
+    pad = FOLD_PAD - BIAS_COLUMNS
+    key = torch.cat([key, torch.stack(terms, -1), key.new_zeros(*key.shape[:-1], pad)], -1)
     ones = query.new_ones(*query.shape[:-1], BIAS_COLUMNS)
-    return torch.cat([query, ones, query.new_zeros(*query.shape[:-1], FOLD_PAD - BIAS_COLUMNS)], -1)
+    query = torch.cat([query, ones, query.new_zeros(*query.shape[:-1], pad)], -1)
+    dv = value.shape[-1]
+    value = torch.cat([value, value.new_zeros(*value.shape[:-1], FOLD_PAD)], -1)
+    return grouped_sdpa(query, key, value, mask, scaling=scale, dropout=dropout)[..., :dv]
 
 
 

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
-from compaction_gym.engine.attention import BIAS_COLUMNS, FOLD_PAD, fold_queries, fold_terms, grouped_sdpa
+from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
@@ -442,38 +442,26 @@ class OnePassReplay:
         key_rows = keys if self.through else torch.cat([keys, keys.detach()], 1)
         value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
         flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
-        dv = value_rows.shape[-1]
         with record_function("replay.attention"):
-            fold = None  # with β in a half-precision model: the head dim where the fold's columns start
-            if query.dtype in (torch.bfloat16, torch.float16) and any(b.bias is not None for b in self.buckets):
-                fold = d
-                # β inside the half-precision product (folded_bias_sdpa): the fold's extra columns are
-                # added to the layer's rows once, not to every bucket's gathered snapshot
-                flat_q = fold_queries(flat_q)
-                key_rows = torch.nn.functional.pad(key_rows, (0, FOLD_PAD))
-                value_rows = torch.nn.functional.pad(value_rows, (0, FOLD_PAD))
-                scaling = scaling if scaling is not None else d**-0.5
             outs = [
-                self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling, fold)[..., :dv]
-                for b in self.buckets
+                self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets
             ]
-            outs.append(outs[0].new_zeros(1, Hq, dv))
+            outs.append(outs[0].new_zeros(1, Hq, outs[0].shape[-1]))
         return torch.cat(outs).index_select(0, self.inv).reshape(B, N, Hq, -1)
 
     def _bucket_attention(self, b: _Bucket, layer: int, flat_q: torch.Tensor, key_rows: torch.Tensor,
-                          value_rows: torch.Tensor, scaling: float | None, fold: int | None) -> torch.Tensor:  # fmt: skip
-        """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``
-        (``fold``: where β's columns start in rows padded by :meth:`attend`)."""
+                          value_rows: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
+        """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``."""
         H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
-        kp = _gather_rows(key_rows, b.keys.at(layer, H))
-        if fold is not None and b.bias is not None:  # the snapshot rows' β as the fold's key columns
-            kp[..., fold : fold + BIAS_COLUMNS] = fold_terms(b.bias.at(layer, H).expand(H, -1), scaling, kp.dtype)
-        kp = kp.reshape(H, b.pieces, b.width, d).transpose(0, 1)
+        kp = _gather_rows(key_rows, b.keys.at(layer, H)).reshape(H, b.pieces, b.width, d).transpose(0, 1)
         vp = _gather_rows(value_rows, b.values.at(layer, H))
         vp = vp.reshape(H, b.pieces, b.width, -1).transpose(0, 1)
         qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
-        if b.bias is None or fold is not None:
+        if b.bias is None:
             out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
+        elif flat_q.dtype in (torch.bfloat16, torch.float16):  # β inside the half-precision product
+            bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
+            out = folded_bias_sdpa(qp, kp, vp, bias, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
         else:  # β: float32 product, as the engine and the segment replay
             dtype = torch.promote_types(flat_q.dtype, torch.float32)
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, 1, b.width).transpose(0, 1)
@@ -597,20 +585,18 @@ class OnePassReplay:
     ]:  # fmt: skip
         """The kept keys' softmax before the padding mask, the design ``X`` ``[E·H, n, t]`` (padding
         probes' rows zero) and the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
-        kept = g.kept[layer][:, None, :].expand(-1, probes.shape[1], -1)
-        raw = half_product(probes, span_keys)  # no float32 copies when it applies (no gradients)
+        raw = half_product(probes, span_keys)  # no float32 copies when it applies
         if raw is not None:
             raw.mul_(self.scale)
-            beta = None if g.beta is None else g.beta[layer].to(raw.dtype)[:, None, :]
-            kept_logits = None if beta is None else torch.gather(raw, 2, kept) + beta
-            logits = raw if bias is None else raw.add_(bias.float()[:, None, :])  # raw's last use
+            logits = raw if bias is None else raw + bias.float()[:, None, :]
         else:
             with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
                 raw, logits = attention_logits(span_keys, probes, self.scale, bias)
-            beta = None if g.beta is None else g.beta[layer].to(raw.dtype)[:, None, :]
-            kept_logits = None if beta is None else torch.gather(raw, 2, kept) + beta
-        if kept_logits is None:
+        kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
+        if g.beta is None:
             kept_logits = torch.gather(logits, 2, kept)
+        else:
+            kept_logits = torch.gather(raw, 2, kept) + g.beta[layer].to(raw.dtype)[:, None, :]
         xs = torch.softmax(kept_logits, dim=-1)
         attn = torch.softmax(logits, dim=-1)
         x = xs if mask is None else xs * mask[:, :, None].to(xs.dtype)  # padding probes drop out
