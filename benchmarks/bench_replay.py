@@ -129,8 +129,8 @@ def build_model(args):
     return model.eval()
 
 
-def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median wall seconds of ``fn`` (device synchronised), after one warm-up call."""
+def timed(fn: Callable[[], object], device: str, repeats: int, stat: Callable = statistics.median) -> float:
+    """``stat`` (the median) of the wall seconds of ``fn`` (device synchronised), after one warm-up call."""
     times = []
     for i in range(repeats + 1):
         if device == "cuda":
@@ -141,7 +141,7 @@ def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return stat(times)
 
 
 def session(engine: Engine, config: CompactionConfig, args, vocab: int):

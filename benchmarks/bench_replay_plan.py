@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from collections.abc import Callable
 
 import torch
+from bench_replay import timed  # benchmarks/ is on the path of a script run from it
 
 from compaction_gym.trainers.replay import _one_pass_plan, scored_positions
 from compaction_gym.trainers.replay_cache import ReplayPlanCache
@@ -46,21 +46,6 @@ class _Layout:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, q_per_kv: int) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.n_q_heads, self.scale = q_per_kv * n_kv_heads, head_dim**-0.5
-
-
-def timed(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Minimum wall seconds of ``fn`` (device synchronised), after one warm-up call."""
-    times = []
-    for i in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         reshuffled()
     rows = {
-        "host simulation (build_plan)": timed(host, args.device, args.repeats),
-        "device plan (OnePassReplay)": timed(device, args.device, args.repeats),
-        "fresh, whole call": timed(lambda: call(views, None), args.device, args.repeats),
-        "kept: the same batch": timed(lambda: call(views, cache), args.device, args.repeats),
-        "kept: the same batch reversed": timed(lambda: call(order, cache), args.device, args.repeats),
+        "host simulation (build_plan)": timed(host, args.device, args.repeats, min),
+        "device plan (OnePassReplay)": timed(device, args.device, args.repeats, min),
+        "fresh, whole call": timed(lambda: call(views, None), args.device, args.repeats, min),
+        "kept: the same batch": timed(lambda: call(views, cache), args.device, args.repeats, min),
+        "kept: the same batch reversed": timed(lambda: call(order, cache), args.device, args.repeats, min),
         f"kept simulations: reshuffled into {args.chunks} chunks (all)": min(times),
     }
     tokens, events = sum(len(v.token_ids) for v in views), sum(len(v.events) for v in views)

@@ -543,13 +543,19 @@ class OnePassReplay:
         The normal equations of :func:`~compaction_gym.compaction.values.fit_values` with the
         probes' span attention ``P`` and the selection ``S`` in place of ``P·V`` and ``S·V``.
         """
+        return self._map_forward(g, layer, query, keys)[0]
+
+    def _map_forward(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor
+    ]:  # fmt: skip
+        """:meth:`_value_map` with what its backward keeps: ``(M, Cholesky factor, κ)``."""
         with record_function("replay.value_maps.designs"):
             probes, span_keys, mask, bias = self._map_inputs(g, layer, query, keys)
             _, x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
         with record_function("replay.value_maps.solve"):
-            m, ok, _, _ = self._map_solve(g, layer, x, attn)
+            m, ok, chol, kappa = self._map_solve(g, layer, x, attn)
         self.failed.append(~ok)
-        return m.to(compute_dtype(keys.dtype))
+        return m.to(compute_dtype(keys.dtype)), chol, kappa
 
     def _map_inputs(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
@@ -632,13 +638,7 @@ class _ValueMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, replay: OnePassReplay, g: _Group, layer: int, tf32: bool, query: torch.Tensor,
                 keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        with record_function("replay.value_maps.designs"):
-            probes, span_keys, mask, bias = replay._map_inputs(g, layer, query, keys)
-            _, x, attn = replay._map_designs(g, layer, probes, span_keys, mask, bias)
-        with record_function("replay.value_maps.solve"):
-            m, ok, chol, kappa = replay._map_solve(g, layer, x, attn)
-        replay.failed.append(~ok)
-        out = m.to(compute_dtype(keys.dtype))
+        out, chol, kappa = replay._map_forward(g, layer, query, keys)
         ctx.replay, ctx.g, ctx.layer, ctx.tf32 = replay, g, layer, tf32
         ctx.save_for_backward(query, keys, chol, kappa, out)
         return out
