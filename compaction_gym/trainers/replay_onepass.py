@@ -531,9 +531,17 @@ class OnePassReplay:
                     flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 out = []
                 for lv in self.levels:  # [H, rows, d_v] for the attention's value rows
-                    shapes = [(hi - lo, g.target) for g in self.groups if lv in g.slices for lo, hi in [g.slices[lv]]]
+                    shapes = [
+                        (hi - lo, g.target)
+                        for g in self.groups
+                        if lv in g.slices
+                        for lo, hi in [g.slices[lv]]
+                    ]
                     pieces = flat[lv].split([e * H * t for e, t in shapes]) if len(shapes) > 1 else [flat[lv]]
-                    parts = [p.reshape(e, H, t, dv).transpose(0, 1).reshape(H, -1, dv) for p, (e, t) in zip(pieces, shapes)]
+                    parts = [
+                        p.reshape(e, H, t, dv).transpose(0, 1).reshape(H, -1, dv)
+                        for p, (e, t) in zip(pieces, shapes)
+                    ]
                     out.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
         return out
 
@@ -685,7 +693,9 @@ class _ValueMap(torch.autograd.Function):
             # (padded to a multiple of 4 columns: aligned rows keep the product on the tensor cores)
             row = (x * p_dr).sum(-1, keepdim=True)
             pad = (-(x.shape[-1] + 1)) % 4
-            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(replay.scale)  # d(logits · scale)
+            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(
+                replay.scale
+            )  # d(logits · scale)
             ones = d_r.new_ones(d_r.shape[0], 1, d_r.shape[-1])
             rhs = torch.cat([d_r, ones, d_r.new_zeros(d_r.shape[0], pad, d_r.shape[-1])], -2)
             d_logits = torch.bmm(lhs, rhs).mul_(attn)

@@ -74,9 +74,39 @@ def test_one_pass_at_the_ridge_floor(weights):
 # trigger, batching, gradient path and weight kind, then two drawn ones (7 × 5 examples in all).
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=5, deadline=None)
-@example(seed=0, probes="suffix", temperature=0.0, trigger="kv_budget", ratio=0.25, batched=False, grad=False, lora=False, method="one_pass")
-@example(seed=1, probes="keys", temperature=1.0, trigger="turn", ratio=0.125, batched=True, grad=True, lora=False, method="one_pass")
-@example(seed=2, probes="random", temperature=2.0, trigger="kv_budget", ratio=0.5, batched=True, grad=False, lora=True, method="one_pass")
+@example(
+    seed=0,
+    probes="suffix",
+    temperature=0.0,
+    trigger="kv_budget",
+    ratio=0.25,
+    batched=False,
+    grad=False,
+    lora=False,
+    method="one_pass",
+)
+@example(
+    seed=1,
+    probes="keys",
+    temperature=1.0,
+    trigger="turn",
+    ratio=0.125,
+    batched=True,
+    grad=True,
+    lora=False,
+    method="one_pass",
+)
+@example(
+    seed=2,
+    probes="random",
+    temperature=2.0,
+    trigger="kv_budget",
+    ratio=0.5,
+    batched=True,
+    grad=False,
+    lora=True,
+    method="one_pass",
+)
 @given(
     seed=st.integers(0, 10_000),
     probes=st.sampled_from(["suffix", "keys", "random"]),
@@ -88,7 +118,9 @@ def test_one_pass_at_the_ridge_floor(weights):
     lora=st.booleans(),
     method=st.sampled_from(["one_pass", "segments"]),
 )
-def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigger, ratio, batched, grad, lora, method):
+def test_replay_matches_rollout(
+    weights, seed, mode, probes, temperature, trigger, ratio, batched, grad, lora, method
+):
     engine, model = weights["lora" if lora else "full"]
     cfg = CompactionConfig(
         **MODES[mode], **TRIGGERS[trigger], queries=probes, compact_target_ratio=ratio, n_probe_queries=16
@@ -109,11 +141,20 @@ def test_replay_matches_rollout(weights, seed, mode, probes, temperature, trigge
     # batched with a second session of another seed (and the other trigger), fed in short chunks
     other_trigger = "turn" if trigger == "kv_budget" else "kv_budget"
     other_cfg = CompactionConfig(
-        **MODES[mode], **TRIGGERS[other_trigger], queries=probes, compact_target_ratio=ratio, n_probe_queries=16
+        **MODES[mode],
+        **TRIGGERS[other_trigger],
+        queries=probes,
+        compact_target_ratio=ratio,
+        n_probe_queries=16,
     )
     other = plain_session(engine, other_cfg, seed=seed + 1, sampling=sampling, turns=2)
     out = replay_logprobs_batch(
-        model, [view, other], temperature=replay_t, grad=grad, max_tokens_per_forward=7 + seed % 13, method=method
+        model,
+        [view, other],
+        temperature=replay_t,
+        grad=grad,
+        max_tokens_per_forward=7 + seed % 13,
+        method=method,
     )
     for lp, v in zip(out.logprobs, (view, other)):
         assert max_sampled_diff(lp, v) < TOL
