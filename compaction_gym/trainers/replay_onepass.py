@@ -693,9 +693,8 @@ class _ValueMap(torch.autograd.Function):
             # (padded to a multiple of 4 columns: aligned rows keep the product on the tensor cores)
             row = (x * p_dr).sum(-1, keepdim=True)
             pad = (-(x.shape[-1] + 1)) % 4
-            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(
-                replay.scale
-            )  # d(logits · scale)
+            # d(logits · scale)
+            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(replay.scale)
             ones = d_r.new_ones(d_r.shape[0], 1, d_r.shape[-1])
             rhs = torch.cat([d_r, ones, d_r.new_zeros(d_r.shape[0], pad, d_r.shape[-1])], -2)
             d_logits = torch.bmm(lhs, rhs).mul_(attn)
