@@ -531,9 +531,17 @@ class OnePassReplay:
                     flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 out = []
                 for lv in self.levels:  # [H, rows, d_v] for the attention's value rows
-                    shapes = [(hi - lo, g.target) for g in self.groups if lv in g.slices for lo, hi in [g.slices[lv]]]
+                    shapes = [
+                        (hi - lo, g.target)
+                        for g in self.groups
+                        if lv in g.slices
+                        for lo, hi in [g.slices[lv]]
+                    ]
                     pieces = flat[lv].split([e * H * t for e, t in shapes]) if len(shapes) > 1 else [flat[lv]]
-                    parts = [p.reshape(e, H, t, dv).transpose(0, 1).reshape(H, -1, dv) for p, (e, t) in zip(pieces, shapes)]
+                    parts = [
+                        p.reshape(e, H, t, dv).transpose(0, 1).reshape(H, -1, dv)
+                        for p, (e, t) in zip(pieces, shapes)
+                    ]
                     out.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
         return out
 
@@ -611,15 +619,24 @@ class OnePassReplay:
     def _map_solve(self, g: _Group, layer: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     ]:  # fmt: skip
-        """``M = (XᵀX + λI)⁻¹ (XᵀP + λS)`` in float64; returns ``M``, which problems factored, the
-        Cholesky factor and ``κ = λ / tr(XᵀX)``."""
+        """``M = (XᵀX + λI)⁻¹ (XᵀP + λS)`` in the compute dtype; returns ``M``, which problems factored,
+        the Cholesky factor and ``κ = λ / tr(XᵀX)``.
+
+        Formed as ``M = Z·P + λ·A⁻¹S`` with ``Z = A⁻¹Xᵀ`` (``[t, n]``) solved in float64: only the
+        wide product ``Z·P`` is in the compute dtype. Not ``A⁻¹ (XᵀP)`` with ``XᵀP`` in float32:
+        its rounding is not of the form ``Xᵀδ``, so ``A⁻¹`` amplifies it by ``cond(A)`` (~1e5 at
+        the ridge) instead of ``‖Z‖ ≤ 1/(2√λ)`` as the segment replay's (and the rollout's)
+        ``A⁻¹Xᵀ(P·V)`` (docs/grpo.md, "Numerics")."""
         x64 = x.to(SOLVE_DTYPE)
         a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
-        rhs = (x.mT @ attn).to(SOLVE_DTYPE)  # [E·H, t, w], in the compute dtype: w is wide
-        rhs.scatter_add_(2, g.kept[layer][:, :, None], lam[:, None, None].expand(-1, g.target, 1))
+        t = a.shape[-1]
         chol, info = torch.linalg.cholesky_ex(a)
-        m, finite = factor_solve(chol, rhs)  # float64, w > t: through the factor's inverse
-        trace = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1) - lam * a.shape[-1]  # tr(XᵀX)
+        eye = torch.eye(t, dtype=a.dtype, device=a.device).expand(a.shape[0], -1, -1)
+        sol, finite = factor_solve(chol, torch.cat([x64.mT, eye], -1))  # [A⁻¹Xᵀ | A⁻¹], float64
+        m = torch.bmm(sol[..., :-t].to(attn.dtype), attn)  # Z·P [E·H, t, w]
+        kept = g.kept[layer][:, None, :].expand(-1, t, -1)  # λ·A⁻¹S: column j of λA⁻¹ at kept_j
+        m.scatter_add_(2, kept, (lam[:, None, None] * sol[..., -t:]).to(m.dtype))
+        trace = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1) - lam * t  # tr(XᵀX)
         kappa = torch.where(trace > 0, lam / trace, torch.zeros_like(lam))
         return m, (info == 0) & finite, chol, kappa
 
@@ -676,7 +693,8 @@ class _ValueMap(torch.autograd.Function):
             # (padded to a multiple of 4 columns: aligned rows keep the product on the tensor cores)
             row = (x * p_dr).sum(-1, keepdim=True)
             pad = (-(x.shape[-1] + 1)) % 4
-            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(replay.scale)  # d(logits · scale)
+            # d(logits · scale)
+            lhs = torch.cat([x, -row, x.new_zeros(*row.shape[:-1], pad)], -1).mul_(replay.scale)
             ones = d_r.new_ones(d_r.shape[0], 1, d_r.shape[-1])
             rhs = torch.cat([d_r, ones, d_r.new_zeros(d_r.shape[0], pad, d_r.shape[-1])], -2)
             d_logits = torch.bmm(lhs, rhs).mul_(attn)
