@@ -491,7 +491,7 @@ class OnePassReplay:
         H, dv = keys.shape[0], values.shape[-1]
         cdt = compute_dtype(values.dtype)
         tf32 = TF32_BACKWARD and values.dtype in (torch.bfloat16, torch.float16)
-        product = partial(_product, tf32) if grad else _plain_product
+        product = partial(_product, tf32 and grad)
         with torch.set_grad_enabled(grad), torch.autocast(query.device.type, enabled=False):
             with record_function("replay.value_maps"):
                 maps = []
@@ -556,14 +556,14 @@ class OnePassReplay:
     def _map_forward(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor
     ]:  # fmt: skip
-        """:meth:`_value_map` with what its backward keeps: ``(M, Cholesky factor, κ)``."""
+        """:meth:`_value_map` with what its backward keeps: ``(M, A⁻¹, κ)``."""
         with record_function("replay.value_maps.designs"):
             probes, span_keys, mask, bias = self._map_inputs(g, layer, query, keys)
             _, x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
         with record_function("replay.value_maps.solve"):
-            m, ok, chol, kappa = self._map_solve(g, layer, x, attn)
+            m, ok, a_inv, kappa = self._map_solve(g, layer, x, attn)
         self.failed.append(~ok)
-        return m.to(compute_dtype(keys.dtype)), chol, kappa
+        return m, a_inv, kappa
 
     def _map_inputs(self, g: _Group, layer: int, query: torch.Tensor, keys: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
@@ -620,7 +620,7 @@ class OnePassReplay:
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
     ]:  # fmt: skip
         """``M = (XᵀX + λI)⁻¹ (XᵀP + λS)`` in the compute dtype; returns ``M``, which problems factored,
-        the Cholesky factor and ``κ = λ / tr(XᵀX)``.
+        ``A⁻¹`` (float64) and ``κ = λ / tr(XᵀX)``.
 
         Formed as ``M = Z·P + λ·A⁻¹S`` with ``Z = A⁻¹Xᵀ`` (``[t, n]``) solved in float64: only the
         wide product ``Z·P`` is in the compute dtype. Not ``A⁻¹ (XᵀP)`` with ``XᵀP`` in float32:
@@ -635,16 +635,17 @@ class OnePassReplay:
         sol, finite = factor_solve(chol, torch.cat([x64.mT, eye], -1))  # [A⁻¹Xᵀ | A⁻¹], float64
         m = torch.bmm(sol[..., :-t].to(attn.dtype), attn)  # Z·P [E·H, t, w]
         kept = g.kept[layer][:, None, :].expand(-1, t, -1)  # λ·A⁻¹S: column j of λA⁻¹ at kept_j
-        m.scatter_add_(2, kept, (lam[:, None, None] * sol[..., -t:]).to(m.dtype))
+        a_inv = sol[..., -t:]
+        m.scatter_add_(2, kept, (lam[:, None, None] * a_inv).to(m.dtype))
         trace = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1) - lam * t  # tr(XᵀX)
         kappa = torch.where(trace > 0, lam / trace, torch.zeros_like(lam))
-        return m, (info == 0) & finite, chol, kappa
+        return m, (info == 0) & finite, a_inv, kappa
 
 
 class _ValueMap(torch.autograd.Function):
     """A group's value maps with a hand-written backward (docs/grpo.md, "Replay in one pass").
 
-    Saves only the Cholesky factor, ``λ`` and ``M``; the backward recomputes the designs (the
+    Saves only ``A⁻¹`` (``[t, t]``), ``κ`` and ``M``; the backward recomputes the designs (the
     ``[E·H, n, w]`` attention is too large to keep for every layer) and differentiates
     ``M = A⁻¹R``, ``A = XᵀX + λI``, ``R = XᵀP + λS``, ``λ = κ·tr(XᵀX)``:
     ``dR = A⁻¹dM``, ``dA = −dR·Mᵀ``, ``dX = P·dRᵀ + X(dA + dAᵀ) + 2κ·dλ·X``, ``dP = X·dR`` with
@@ -655,15 +656,15 @@ class _ValueMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, replay: OnePassReplay, g: _Group, layer: int, tf32: bool, query: torch.Tensor,
                 keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        out, chol, kappa = replay._map_forward(g, layer, query, keys)
+        out, a_inv, kappa = replay._map_forward(g, layer, query, keys)
         ctx.replay, ctx.g, ctx.layer, ctx.tf32 = replay, g, layer, tf32
-        ctx.save_for_backward(query, keys, chol, kappa, out)
+        ctx.save_for_backward(query, keys, a_inv, kappa, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, dm: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         replay, g, layer = ctx.replay, ctx.g, ctx.layer
-        query, keys, chol, kappa, m = ctx.saved_tensors
+        query, keys, a_inv, kappa, m = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]
         q, k = (t.detach().requires_grad_(n) for t, n in zip((query, keys), needs))
         off = torch.autocast(dm.device.type, enabled=False)
@@ -675,7 +676,7 @@ class _ValueMap(torch.autograd.Function):
         with record_function("replay.value_maps.backward.solve"), torch.no_grad(), off:
             cdt = x.dtype
             kept = g.kept[layer]  # [E·H, t]
-            d_r, _ = factor_solve(chol, dm.to(chol.dtype))  # A⁻¹ dM, float64 [E·H, t, w]
+            d_r = a_inv @ dm.to(a_inv.dtype)  # A⁻¹ dM (A symmetric), float64 [E·H, t, w]
             d_a = -(d_r @ m.to(d_r.dtype).mT)
             d_lam = torch.diagonal(d_a, dim1=-2, dim2=-1).sum(-1)  # λ in A ...
             d_lam += torch.gather(d_r, 2, kept[:, :, None]).sum((-2, -1))  # ... and in R, at the kept columns
@@ -740,7 +741,7 @@ class _Product(torch.autograd.Function):
     def forward(ctx: Any, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.has_c = c is not None
-        return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
+        return _product(False, c, a, b)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -753,14 +754,9 @@ class _Product(torch.autograd.Function):
 
 
 def _product(tf32: bool, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``c + a · b`` with gradients; the backward's products in TF32 when ``tf32``."""
+    """``c + a · b`` (batched; ``c`` optional); with ``tf32`` its backward's products in TF32."""
     if tf32:
         return _Product.apply(c, a, b)
-    return _plain_product(c, a, b)
-
-
-def _plain_product(c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``c + a · b`` (batched; ``c`` optional)."""
     return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
 
 
