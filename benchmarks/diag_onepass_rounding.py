@@ -20,26 +20,13 @@ import copy
 import tempfile
 
 import torch
+from diag_replay_conditioning import play_session  # benchmarks/ is on the path of a script run from it
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import compaction_gym
-from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
+from compaction_gym.engine import CompactionConfig, Engine
 from compaction_gym.models.tiny import make_tiny_model
 from compaction_gym.trainers.replay import replay_logprobs
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _session(engine: Engine, cfg: CompactionConfig, seed: int):
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
-    r = engine.create_session(_ids(16, seed), cfg, sampling.replace(seed=seed))
-    for turn in range(3):
-        engine.step(r.session_id, _ids(10, 1000 * seed + turn), sampling.replace(seed=None))
-    view = engine.session(r.session_id)
-    engine.close(r.session_id)
-    return view
 
 
 def _seeds(spec: str) -> list[int]:
@@ -88,7 +75,7 @@ def main(argv: list[str] | None = None) -> float:
                 )  # fmt: skip
                 gaps = []
                 for seed in _seeds(args.seeds):
-                    view = _session(engine, cfg, seed)
+                    view = play_session(engine, cfg, seed, temperature=0.0, turns=3)
                     mask = torch.tensor(view.completion_mask, dtype=torch.bool)
                     rollout = torch.tensor(view.logprobs, dtype=torch.float64)[mask]
                     one = replay_logprobs(model, view, temperature=1.0, method="one_pass").double()[mask]

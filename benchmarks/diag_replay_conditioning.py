@@ -25,15 +25,16 @@ from compaction_gym.models.tiny import make_tiny_model
 from compaction_gym.trainers.replay import replay_logprobs, replay_logprobs_batch
 
 
-def _ids(n: int, seed: int) -> list[int]:
+def token_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _session(engine: Engine, cfg: CompactionConfig, seed: int, temperature: float):
+def play_session(engine: Engine, cfg: CompactionConfig, seed: int, temperature: float, turns: int = 6):
+    """A closed session of a 16-token prompt and ``turns`` turns of 10 tokens in, 20 sampled."""
     sampling = SamplingParams(temperature=temperature, max_new_tokens=20, ignore_eos=True)
-    r = engine.create_session(_ids(16, seed), cfg, sampling.replace(seed=seed))
-    for turn in range(6):
-        engine.step(r.session_id, _ids(10, 1000 * seed + turn), sampling.replace(seed=None))
+    r = engine.create_session(token_ids(16, seed), cfg, sampling.replace(seed=seed))
+    for turn in range(turns):
+        engine.step(r.session_id, token_ids(10, 1000 * seed + turn), sampling.replace(seed=None))
     view = engine.session(r.session_id)
     engine.close(r.session_id)
     return view
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> float:
             single, batched = [], []
             for seed in range(args.seeds):
                 views = [
-                    _session(engine, config(schedule), seed, temperature),
-                    _session(engine, config(other), seed + 1, temperature),
+                    play_session(engine, config(schedule), seed, temperature),
+                    play_session(engine, config(other), seed + 1, temperature),
                 ]
                 single.append(_gap(replay_logprobs(model, views[0], temperature=temperature), views[0]))
                 out = replay_logprobs_batch(
