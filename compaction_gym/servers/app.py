@@ -46,6 +46,14 @@ from compaction_gym.servers.state import ServerState, unless_disconnected
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# the routes served by the fast path when valid (docs/server.md, "Performance")
+FAST_PATHS = (
+    "/compact_generate",
+    "/inject_generate",
+    "/compact_session/create",
+    "/compact_session/step",
+    "/compact_session/step_batch",
+)
 
 
 def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
@@ -76,8 +84,6 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
     app = FastAPI(title="compaction-gym", summary="Compacted KV-cache sessions over HTTP", lifespan=lifespan)
     app.state.server = state
-    fast: dict[tuple[str, str], FastRoute] = {}  # filled below, once the routes exist
-    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     _add_error_handlers(app, state)
 
     @app.post("/compact_generate", response_model=GenerateResponse)
@@ -193,19 +199,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     from compaction_gym.servers.openai_api import router as openai_router
 
     app.include_router(openai_router)
-    if args.fast_routes:
-        fast.update(
-            fast_routes(
-                app,
-                {
-                    "/compact_generate": (CompactGenerateRequest, compact_generate),
-                    "/inject_generate": (InjectGenerateRequest, inject_generate),
-                    "/compact_session/create": (SessionCreateRequest, session_create),
-                    "/compact_session/step": (SessionStepRequest, session_step),
-                    "/compact_session/step_batch": (SessionStepBatchRequest, session_step_batch),
-                },
-            )
-        )
+    fast = fast_routes(app, FAST_PATHS) if args.fast_routes else {}
+    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     return app
 
 
