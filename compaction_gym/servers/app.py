@@ -142,13 +142,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 state.check_ids(f"requests.{i}.prompt_ids", item.prompt_ids)
                 state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=MAX_STOP_IDS)
                 args = (item.prompt_ids, item.compaction_config(), item.sampling())
-                calls.append(
-                    (
-                        state.worker.create,
-                        args,
-                        {"session_id": item.session_id, "score_input": item.score_input},
-                    )
-                )
+                kwargs = {"session_id": item.session_id, "score_input": item.score_input}
+                calls.append((state.worker.create, args, kwargs))
             else:
                 _check_step(state, item, f"requests.{i}.")
                 args = (item.session_id, item.new_token_ids, item.sampling_overrides())
