@@ -46,6 +46,14 @@ from compaction_gym.servers.state import ServerState, unless_disconnected
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# the routes served by the fast path when valid (docs/server.md, "Performance")
+FAST_PATHS = (
+    "/compact_generate",
+    "/inject_generate",
+    "/compact_session/create",
+    "/compact_session/step",
+    "/compact_session/step_batch",
+)
 
 
 def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
@@ -76,8 +84,6 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
 
     app = FastAPI(title="compaction-gym", summary="Compacted KV-cache sessions over HTTP", lifespan=lifespan)
     app.state.server = state
-    fast: dict[tuple[str, str], FastRoute] = {}  # filled below, once the routes exist
-    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     _add_error_handlers(app, state)
 
     @app.post("/compact_generate", response_model=GenerateResponse)
@@ -136,13 +142,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
                 state.check_ids(f"requests.{i}.prompt_ids", item.prompt_ids)
                 state.check_ids(f"requests.{i}.stop_token_ids", item.stop_token_ids, limit=MAX_STOP_IDS)
                 args = (item.prompt_ids, item.compaction_config(), item.sampling())
-                calls.append(
-                    (
-                        state.worker.create,
-                        args,
-                        {"session_id": item.session_id, "score_input": item.score_input},
-                    )
-                )
+                kwargs = {"session_id": item.session_id, "score_input": item.score_input}
+                calls.append((state.worker.create, args, kwargs))
             else:
                 _check_step(state, item, f"requests.{i}.")
                 args = (item.session_id, item.new_token_ids, item.sampling_overrides())
@@ -193,19 +194,8 @@ def create_app(engine: Any, args: ServerArgs | None = None) -> FastAPI:
     from compaction_gym.servers.openai_api import router as openai_router
 
     app.include_router(openai_router)
-    if args.fast_routes:
-        fast.update(
-            fast_routes(
-                app,
-                {
-                    "/compact_generate": (CompactGenerateRequest, compact_generate),
-                    "/inject_generate": (InjectGenerateRequest, inject_generate),
-                    "/compact_session/create": (SessionCreateRequest, session_create),
-                    "/compact_session/step": (SessionStepRequest, session_step),
-                    "/compact_session/step_batch": (SessionStepBatchRequest, session_step_batch),
-                },
-            )
-        )
+    fast = fast_routes(app, FAST_PATHS) if args.fast_routes else {}
+    app.add_middleware(_ServerMiddleware, state=state, fast=fast, handlers=app.exception_handlers)
     return app
 
 

@@ -15,8 +15,10 @@ the error, if reading it raised one), so every error response is FastAPI's, byte
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Awaitable, Callable
+import typing
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,15 +40,21 @@ class FastRoute:
     route: Any
 
 
-def fast_routes(app: Any, endpoints: dict[str, tuple[type, Endpoint]]) -> dict[tuple[str, str], FastRoute]:
-    """``("POST", path) -> FastRoute`` for each ``path: (body model, endpoint)`` of ``app``."""
+def fast_routes(app: Any, paths: Iterable[str]) -> dict[tuple[str, str], FastRoute]:
+    """``("POST", path) -> FastRoute`` for each of ``paths``, a POST route of ``app`` whose endpoint
+    takes ``(body, request)``. The endpoint and its body model come from the route itself (the
+    model is ``body``'s annotation, resolved as FastAPI resolves it), so the fast path cannot
+    validate with another model than FastAPI does."""
     routes = {
         getattr(r, "path", None): r for r in app.routes if "POST" in (getattr(r, "methods", None) or ())
     }
-    return {
-        ("POST", path): FastRoute(TypeAdapter(model), fn, routes[path])
-        for path, (model, fn) in endpoints.items()
-    }
+    out = {}
+    for path in paths:
+        route = routes[path]
+        body = next(iter(inspect.signature(route.endpoint).parameters))
+        model = typing.get_type_hints(route.endpoint)[body]
+        out["POST", path] = FastRoute(TypeAdapter(model), route.endpoint, route)
+    return out
 
 
 def _is_json(scope: dict[str, Any]) -> bool:

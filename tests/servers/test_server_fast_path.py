@@ -22,7 +22,7 @@ from server_helpers import load_engine, running_server
 
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.types import StepResult
-from compaction_gym.servers.app import create_app
+from compaction_gym.servers.app import FAST_PATHS, create_app
 from compaction_gym.servers.args import ServerArgs
 from compaction_gym.servers.schemas import GenerateResponse, response_json, to_response
 
@@ -155,6 +155,20 @@ def test_every_case_answers_as_fastapi_does(pair):
     }
     assert statuses["id outside the vocabulary"] == statuses["unknown field"] == 422
     assert statuses["create, duplicate id"] == statuses["create, unknown mode"] == 422
+
+
+def test_fast_routes_validate_with_fastapis_body_models(reference_engine):
+    """Each fast route is the FastAPI route of its path, with the body model FastAPI validates with
+    (read from the route, not written again); ``--no-fast-routes`` leaves none."""
+    for fast in (True, False):
+        app = create_app(reference_engine, ServerArgs(fast_routes=fast))
+        (middleware,) = app.user_middleware
+        routes = middleware.kwargs["fast"]
+        assert sorted(path for _, path in routes) == (sorted(FAST_PATHS) if fast else [])
+        for (method, path), route in routes.items():
+            assert method == "POST" and route.route.path == path and route.endpoint is route.route.endpoint
+            model = route.route.body_field.field_info.annotation
+            assert route.adapter.core_schema == TypeAdapter(model).core_schema
 
 
 token_ids = st.lists(st.integers(0, 60) | st.sampled_from([-1, VOCAB_PROBE]), max_size=6)
