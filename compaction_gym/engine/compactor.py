@@ -312,7 +312,7 @@ class Compactor:
             session=s, span=span, trigger=trigger, target=target_size(cfg.mode, end - start, ratio),
             index=index, logical_span=log_span, kv_len_before=kv_before, keys=keys_all, values=values_all,
             key_bias=beta_all if cache.has_beta[s.slot] else None, queries=None, query_positions=None,
-            started=t0, slot=s.slot,
+            slot=s.slot,
         )  # fmt: skip
         if cfg.mode != "markovian":  # a deletion needs no probes
             probes, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(

@@ -61,7 +61,6 @@ class PendingEvent:
     probe_seed: int | None = None
     probe_rows: tuple[int, int] | None = None
     probe_tokens: tuple[int, ...] | None = None
-    started: float = 0.0  # perf_counter when the event began
     slot: int | None = None  # the session's cache slot (its rows are ``keys`` / ``values``)
     #: suffix probes not grouped yet: views ``[L, H_q, m, d]`` of the session's probe ring, in order
     #: (``queries`` is ``None`` until :meth:`probes` groups them; a stacked call copies them
