@@ -276,12 +276,6 @@ def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -
     )
 
 
-def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
-    """Each event's block, its kept indices back in its own cache rows."""
-    blocks = event_blocks(result, stacked)
-    return [blocks[i] for i in range(stacked.shifts.shape[0])]
-
-
 def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Int64 ``indices`` and float32 ``beta`` (same shape) on the host in one device→host copy.
 
