@@ -182,6 +182,7 @@ def test_stacked_events_without_beta_beside_a_slot_holding_beta(engines):
         cache.beta[held, :, :, :n].shape, generator=torch.Generator().manual_seed(3)
     )
     cache.has_beta[held] = True
+    before = cache.beta[held, :, :, :n].clone()
     scorer, batch_events = engine.compactor.compact_fn, engine.compactor.batch_events
     out = {}
     try:
@@ -210,7 +211,10 @@ def test_stacked_events_without_beta_beside_a_slot_holding_beta(engines):
     assert has_s == has_a == [True, False]
     for ea, eb in zip(ev_s, ev_a):
         assert torch.equal(ea.indices, eb.indices) and ea.beta is None and eb.beta is None
-    assert not caches_s[1][2].any()  # the slot without β holds none
+    for events, caches in ((ev_s, caches_s), (ev_a, caches_a)):  # the kept rows' β, the others moved
+        kept = before.gather(-1, events[0].indices)
+        assert torch.equal(caches[0][2], torch.cat([before[..., :8], kept, before[..., 40:]], -1))
+        assert not caches[1][2].any()  # the slot without β holds none
     for ca, cb in zip(caches_s, caches_a):
         for xa, xb in zip(ca, cb):
             assert torch.allclose(xa.double(), xb.double(), rtol=1e-4, atol=1e-4)
