@@ -367,13 +367,9 @@ class Compactor:
         masses = [self._mass(p, blocks[k]) for k, p in enumerate(events)]  # before the rows are overwritten
         t_write = time.perf_counter()
         slots = [p.session.slot for p in events]
-        # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
-        keep = [cfg.compute_beta or cache.has_beta[s] for s in slots]
-        beta = blocks.beta if any(keep) else None
-        if beta is not None and not all(keep):
-            beta = beta.clone()
-            for k in (k for k, kept in enumerate(keep) if not kept):
-                beta[k] = 0.0
+        # without a fit, a slot without β keeps none: its block's β, when the call has one (a
+        # stacked call's or a slot holding β beside it), is its own rows' β, zero (SlotKVCache.has_beta)
+        beta = blocks.beta if cfg.compute_beta or any(cache.has_beta[s] for s in slots) else None
         fitted = [False] * len(events) if host_beta is None else host_beta.ne(0).flatten(1).any(1).tolist()
         nonzero = [cache.has_beta[s] or f for s, f in zip(slots, fitted)]
         kv_after = cache.replace_spans(
