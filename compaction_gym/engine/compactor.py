@@ -268,6 +268,8 @@ class Compactor:
         one's block).
         """
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
+        if not requests:  # the scheduler asks after every response (turn events): no profiler ranges then
+            return []
         with record_function("compaction.prepare"):
             pending = [self._prepare(*r) for r in requests]
         rows = self.layout.n_layers * self.layout.n_kv_heads
