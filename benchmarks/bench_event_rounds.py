@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import statistics
@@ -204,7 +205,7 @@ def checkout(rev: str, into: Path) -> Path:
     """``compaction_gym/`` of git revision ``rev`` extracted under ``into``."""
     root = Path(__file__).resolve().parents[1]
     tar = subprocess.run(["git", "archive", rev, "compaction_gym"], cwd=root, capture_output=True, check=True)
-    with tarfile.open(fileobj=__import__("io").BytesIO(tar.stdout)) as t:
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
         t.extractall(into, filter="data")
     return into
 

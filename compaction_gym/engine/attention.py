@@ -141,7 +141,6 @@ def folded_bias_sdpa(
     return grouped_sdpa(query, key, value, mask, scaling=scale, dropout=dropout)[..., :dv]
 
 
-
 class SlotCache(Cache):
     """A transformers ``Cache`` whose ``update`` reads and writes the engine's slot cache."""
 

@@ -268,6 +268,8 @@ class Compactor:
         one's block).
         """
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
+        if not requests:  # the scheduler asks after every response (turn events): no profiler ranges then
+            return []
         with record_function("compaction.prepare"):
             pending = [self._prepare(*r) for r in requests]
         rows = self.layout.n_layers * self.layout.n_kv_heads
@@ -312,7 +314,7 @@ class Compactor:
             session=s, span=span, trigger=trigger, target=target_size(cfg.mode, end - start, ratio),
             index=index, logical_span=log_span, kv_len_before=kv_before, keys=keys_all, values=values_all,
             key_bias=beta_all if cache.has_beta[s.slot] else None, queries=None, query_positions=None,
-            started=t0, slot=s.slot,
+            slot=s.slot,
         )  # fmt: skip
         if cfg.mode != "markovian":  # a deletion needs no probes
             probes, p.probe_range, p.probe_seed, p.probe_rows, p.probe_tokens = self._probes(
@@ -367,13 +369,9 @@ class Compactor:
         masses = [self._mass(p, blocks[k]) for k, p in enumerate(events)]  # before the rows are overwritten
         t_write = time.perf_counter()
         slots = [p.session.slot for p in events]
-        # a slot without β keeps none unless this event fits one (a stacked block carries zeros)
-        keep = [cfg.compute_beta or cache.has_beta[s] for s in slots]
-        beta = blocks.beta if any(keep) else None
-        if beta is not None and not all(keep):
-            beta = beta.clone()
-            for k in (k for k, kept in enumerate(keep) if not kept):
-                beta[k] = 0.0
+        # without a fit, a slot without β keeps none: its block's β, when the call has one (a
+        # stacked call's or a slot holding β beside it), is its own rows' β, zero (SlotKVCache.has_beta)
+        beta = blocks.beta if cfg.compute_beta or any(cache.has_beta[s] for s in slots) else None
         fitted = [False] * len(events) if host_beta is None else host_beta.ne(0).flatten(1).any(1).tolist()
         nonzero = [cache.has_beta[s] or f for s, f in zip(slots, fitted)]
         kv_after = cache.replace_spans(

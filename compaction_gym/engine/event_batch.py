@@ -61,7 +61,6 @@ class PendingEvent:
     probe_seed: int | None = None
     probe_rows: tuple[int, int] | None = None
     probe_tokens: tuple[int, ...] | None = None
-    started: float = 0.0  # perf_counter when the event began
     slot: int | None = None  # the session's cache slot (its rows are ``keys`` / ``values``)
     #: suffix probes not grouped yet: views ``[L, H_q, m, d]`` of the session's probe ring, in order
     #: (``queries`` is ``None`` until :meth:`probes` groups them; a stacked call copies them
@@ -275,12 +274,6 @@ def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -
         None if result.beta is None else result.beta.view(n_ev, rows, t),
         result.indices.view(n_ev, rows, t) - stacked.shifts[:, None, None],
     )
-
-
-def split_result(result: CompactionResult, stacked: StackedRows) -> list[CompactionResult]:
-    """Each event's block, its kept indices back in its own cache rows."""
-    blocks = event_blocks(result, stacked)
-    return [blocks[i] for i in range(stacked.shifts.shape[0])]
 
 
 def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

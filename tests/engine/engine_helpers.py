@@ -121,11 +121,12 @@ def stacked_blocks(events, **kwargs) -> list:
     """Each event's block from one stacked ``apply_event`` call over ``events`` (Attention Matching;
     ``kwargs``: ``compute_beta``, ``refit_values``, ``compact_fn``)."""
     from compaction_gym.compaction import apply_event
-    from compaction_gym.engine.event_batch import split_result, stack_rows
+    from compaction_gym.engine.event_batch import event_blocks, stack_rows
 
     rows = stack_rows(events)
     block = apply_event(
         rows.keys, rows.values, rows.queries, mode="attention_matching", span=rows.span, target=events[0].target,
         key_bias=rows.key_bias, query_mask=rows.query_mask, **kwargs,
     )  # fmt: skip
-    return split_result(block, rows)
+    blocks = event_blocks(block, rows)
+    return [blocks[i] for i in range(len(events))]

@@ -166,3 +166,55 @@ def test_budget_messages_with_stacked_events(engines):
     alone = rollout(engine, [cfg] * 3, prompts, inputs, sampling, stacked=False)
     assert_same_sessions(stacked, alone, 1e-5)
     assert max(stacked[2]) > engine.layout.n_layers * engine.layout.n_kv_heads
+
+
+def test_stacked_events_without_beta_beside_a_slot_holding_beta(engines):
+    """``compute_beta`` off, one slot of a stacked call holding β (as a slot forked from a β session
+    does): that slot keeps its kept rows' β, the other stays without β (zeros, ``has_beta`` off),
+    and both end as with their events alone."""
+    engine = engines[torch.float32]
+    cfg = CompactionConfig(mode="attention_matching", compute_beta=False, n_probe_queries=16)
+    sampling = GREEDY.replace(max_new_tokens=0)
+    sids = [engine.create_session(make_prompt(48, seed=20 + i), cfg, sampling).session_id for i in range(2)]
+    held, cache = engine.scheduler.get(sids[0]).slot, engine.cache
+    n = cache.length(held)
+    cache.beta[held, :, :, :n] = torch.randn(
+        cache.beta[held, :, :, :n].shape, generator=torch.Generator().manual_seed(3)
+    )
+    cache.has_beta[held] = True
+    before = cache.beta[held, :, :, :n].clone()
+    scorer, batch_events = engine.compactor.compact_fn, engine.compactor.batch_events
+    out = {}
+    try:
+        for stacked in (True, False):
+            calls: list[int] = []
+
+            def recording(keys, *args, **kwargs):
+                calls.append(keys.shape[0])  # noqa: B023
+                return scorer(keys, *args, **kwargs)
+
+            engine.compactor.compact_fn, engine.compactor.batch_events = recording, stacked
+            forks = [engine.scheduler.get(engine.fork(s)) for s in sids]
+            events = engine.compactor.compact_many([(s, (8, 40), 0.25, "manual") for s in forks])
+            out[stacked] = (
+                events, [engine.read_cache(s.session_id) for s in forks], [cache.has_beta[s.slot] for s in forks], calls
+            )  # fmt: skip
+            for s in forks:
+                engine.close(s.session_id)
+    finally:
+        engine.compactor.compact_fn, engine.compactor.batch_events = scorer, batch_events
+        for sid in sids:
+            engine.close(sid)
+    (ev_s, caches_s, has_s, calls_s), (ev_a, caches_a, has_a, calls_a) = out[True], out[False]
+    rows = engine.layout.n_layers * engine.layout.n_kv_heads
+    assert calls_s == [2 * rows] and calls_a == [rows, rows]
+    assert has_s == has_a == [True, False]
+    for ea, eb in zip(ev_s, ev_a):
+        assert torch.equal(ea.indices, eb.indices) and ea.beta is None and eb.beta is None
+    for events, caches in ((ev_s, caches_s), (ev_a, caches_a)):  # the kept rows' β, the others moved
+        kept = before.gather(-1, events[0].indices)
+        assert torch.equal(caches[0][2], torch.cat([before[..., :8], kept, before[..., 40:]], -1))
+        assert not caches[1][2].any()  # the slot without β holds none
+    for ca, cb in zip(caches_s, caches_a):
+        for xa, xb in zip(ca, cb):
+            assert torch.allclose(xa.double(), xb.double(), rtol=1e-4, atol=1e-4)

@@ -60,7 +60,9 @@ def test_fused_stacked_events_match_each_alone(dtype, probes):
         event(1, rows, 20, 120, 32, probes[1], d, True, dtype),
         event(2, rows, 8, 100, 32, probes[2], d, True, dtype),
     ]
-    for i, (p, got) in enumerate(zip(events, stacked_blocks(events, compute_beta=True, compact_fn=compact_fast))):
+    for i, (p, got) in enumerate(
+        zip(events, stacked_blocks(events, compute_beta=True, compact_fn=compact_fast))
+    ):
         ref = run_alone(p)
         if i < 2 or dtype == torch.float32:
             assert torch.equal(got.indices, ref.indices)
