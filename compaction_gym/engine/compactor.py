@@ -40,12 +40,12 @@ from compaction_gym.compaction.modes import (
 from compaction_gym.compaction.rowmap import replace_blocks
 from compaction_gym.engine.event_batch import (
     EventBlocks,
+    HostCopy,
     PendingEvent,
     StackedRows,
     event_blocks,
     group_events,
     stack_rows,
-    to_host,
 )
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.engine.session import Session
@@ -274,7 +274,9 @@ class Compactor:
             pending = [self._prepare(*r) for r in requests]
         rows = self.layout.n_layers * self.layout.n_kv_heads
         groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
-        scored = []
+        # every call is launched and written back before the host waits once (docs/engine.md,
+        # "Batched events"): the host's work on one call overlaps the device's on the previous ones
+        launched = []
         for group in groups:
             t0 = time.perf_counter()
             events = [pending[i] for i in group]
@@ -286,18 +288,22 @@ class Compactor:
                     stacked = stack_rows(events, self.cache)
                 with record_function("compaction.score"):
                     blocks = event_blocks(self._score(events[0], stacked), stacked)
-            # the recorded indices and β of the whole call: one device→host copy
+            # the recorded indices and β of the whole call: one device→host copy, waited for below
             recorded = events[0].session.config.compute_beta and blocks.beta is not None
             with record_function("compaction.to_host"):
-                host = to_host(blocks.indices, blocks.beta if recorded else None)
-            share = (time.perf_counter() - t0) / len(group)  # a stacked call's time, split evenly
-            for p in events:
-                p.timings["compact"] = share
-            scored.append((group, blocks, host))
+                copy = HostCopy(blocks.indices, blocks.beta if recorded else None)
+            with record_function("compaction.write_back"):
+                masses, kv_after = self._write_back(events, blocks)
+            launched.append((group, copy, masses, kv_after, time.perf_counter() - t0))
         done: dict[int, CompactionEvent] = {}
-        with record_function("compaction.finish"):
-            for group, blocks, (indices, beta) in scored:
-                done.update(zip(group, self._finish([pending[i] for i in group], blocks, indices, beta)))
+        for group, copy, masses, kv_after, launch_s in launched:
+            t0 = time.perf_counter()
+            with record_function("compaction.wait"):
+                indices, beta = copy.wait()
+            share = (launch_s + time.perf_counter() - t0) / len(group)  # a call's time, split evenly
+            with record_function("compaction.record"):
+                events = [pending[i] for i in group]
+                done.update(zip(group, self._record(events, indices, beta, masses, kv_after, share)))
         return [done[i] for i in range(len(pending))]
 
     def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
@@ -354,33 +360,49 @@ class Compactor:
             query_mask=None if one else stacked.query_mask,
         )
 
-    def _finish(
-        self,
-        events: list[PendingEvent],
-        blocks: EventBlocks,
-        host_indices: torch.Tensor,
-        host_beta: torch.Tensor | None,
-    ) -> list[CompactionEvent]:
-        """Write the blocks of one scoring call's events into their slots (one batched write-back)
-        and record the events (``host_*``: their indices and fitted β ``[S, B, t]``, on the host)."""
-        cache, lay = self.cache, self.layout
-        cfg = events[0].session.config  # compute_beta is one of the batch key's settings
-        target = events[0].target
-        masses = [self._mass(p, blocks[k]) for k, p in enumerate(events)]  # before the rows are overwritten
-        t_write = time.perf_counter()
+    def _write_back(
+        self, events: list[PendingEvent], blocks: EventBlocks
+    ) -> tuple[list[float | None], list[int]]:
+        """Write the blocks of one scoring call's events into their slots (one batched write-back,
+        launched without waiting for the device); returns each event's ``mass_kept`` (read before
+        its rows are overwritten) and new cache length. The slots' ``has_beta`` flags are set by
+        :meth:`_record`, once the fitted β is on the host."""
+        cache = self.cache
+        masses = [self._mass(p, blocks[k]) for k, p in enumerate(events)]
         slots = [p.session.slot for p in events]
         # without a fit, a slot without β keeps none: its block's β, when the call has one (a
         # stacked call's or a slot holding β beside it), is its own rows' β, zero (SlotKVCache.has_beta)
-        beta = blocks.beta if cfg.compute_beta or any(cache.has_beta[s] for s in slots) else None
-        fitted = [False] * len(events) if host_beta is None else host_beta.ne(0).flatten(1).any(1).tolist()
-        nonzero = [cache.has_beta[s] or f for s, f in zip(slots, fitted)]
+        compute_beta = events[0].session.config.compute_beta  # one of the batch key's settings
+        beta = blocks.beta if compute_beta or any(cache.has_beta[s] for s in slots) else None
         kv_after = cache.replace_spans(
-            slots, [p.span for p in events], blocks.keys, blocks.values, beta, nonzero=nonzero
-        )
-        write_share = (time.perf_counter() - t_write) / len(events)
+            slots, [p.span for p in events], blocks.keys, blocks.values, beta,
+            nonzero=[cache.has_beta[s] for s in slots],
+        )  # fmt: skip
+        return masses, kv_after
+
+    def _record(
+        self,
+        events: list[PendingEvent],
+        host_indices: torch.Tensor,
+        host_beta: torch.Tensor | None,
+        masses: list[float | None],
+        kv_after: list[int],
+        compact_s: float,
+    ) -> list[CompactionEvent]:
+        """Record the events of one scoring call, written back by :meth:`_write_back`
+        (``host_*``: their indices and fitted β ``[S, B, t]``, on the host; ``compact_s``: each
+        event's share of the call's time)."""
+        cache, lay = self.cache, self.layout
+        cfg = events[0].session.config
+        target = events[0].target
+        if host_beta is not None:  # a slot whose fitted β is nonzero holds β from now on
+            fitted = host_beta.ne(0).flatten(1).any(1).tolist()
+            for p, f in zip(events, fitted):
+                cache.has_beta[p.session.slot] = cache.has_beta[p.session.slot] or f
         out = []
         for k, p in enumerate(events):
             t_record = time.perf_counter()
+            p.timings["compact"] = compact_s
             s, (start, end) = p.session, p.span
             indices = host_indices[k].reshape(lay.n_layers, lay.n_kv_heads, target)
             # what the cache stores (float32): replay's constant β
@@ -414,9 +436,7 @@ class Compactor:
             )
             s.events.append(event)
             # the diagnostic is not compaction's cost
-            p.timings["total"] = (
-                p.timings["probes"] + p.timings["compact"] + write_share + time.perf_counter() - t_record
-            )
+            p.timings["total"] = p.timings["probes"] + compact_s + time.perf_counter() - t_record
             out.append(event)
         return out
 

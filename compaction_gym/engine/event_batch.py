@@ -237,9 +237,11 @@ def _gather_rows(
     per_row = (cache.max_slots, rows, cache.capacity)
     keys, values = (as_words(buf.view(*per_row, -1))[slot, head, src] for buf in (cache.k, cache.v))
     bias = cache.beta.view(per_row)[slot, head, src]
-    keys[pad_event, :, pad_row] = 0  # all bits zero: +0.0 in any float dtype
-    values[pad_event, :, pad_row] = 0
-    bias[pad_event, :, pad_row] = float("-inf")
+    # device scalars: a Python number on the right of an indexed write is first copied from pageable
+    # host memory, which waits for the device (docs/engine.md, "Batched events")
+    keys[pad_event, :, pad_row] = keys.new_zeros(())  # all bits zero: +0.0 in any float dtype
+    values[pad_event, :, pad_row] = values.new_zeros(())
+    bias[pad_event, :, pad_row] = bias.new_full((), float("-inf"))
     return keys.view(cache.k.dtype), values.view(cache.v.dtype), bias, shift
 
 
@@ -277,14 +279,45 @@ def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -
 
 
 def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Int64 ``indices`` and float32 ``beta`` (same shape) on the host in one device→host copy.
+    """Int64 ``indices`` and float32 ``beta`` (same shape) on the host in one device→host copy
+    (:class:`HostCopy`, waited for at once)."""
+    return HostCopy(indices, beta).wait()
 
-    β's float32 bits travel in int64 lanes beside the indices (one synchronisation instead of two)
-    and are reinterpreted on the host, so the copy is bit-exact.
+
+class HostCopy:
+    """Int64 ``indices`` and float32 ``beta`` (same shape) on their way to the host: one
+    asynchronous device→host copy into pinned memory, started at construction; :meth:`wait`
+    blocks until it has landed (docs/engine.md, "Batched events": a round launches every scoring
+    call and write-back before it waits once).
+
+    β's float32 bits travel in int64 lanes beside the indices (one copy instead of two) and are
+    reinterpreted on the host, so the copy is bit-exact.
     """
-    if beta is None:
-        return indices.cpu(), None
-    t = indices.shape[-1]
-    bits = beta.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    packed = torch.cat([indices.to(torch.int64), bits], dim=-1).cpu()
-    return packed[..., :t].contiguous(), packed[..., t:].to(torch.int32).contiguous().view(torch.float32)
+
+    def __init__(self, indices: torch.Tensor, beta: torch.Tensor | None) -> None:
+        self.t = indices.shape[-1]
+        self.has_beta = beta is not None
+        packed = indices.to(torch.int64)
+        if beta is not None:
+            bits = beta.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+            packed = torch.cat([packed, bits], dim=-1)
+        self.done: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = packed
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(indices, beta)`` on the host (``beta`` ``None`` when none was sent), in pageable memory:
+        the events that keep them live long, the pinned buffer goes back to the allocator."""
+        if self.done is not None:
+            self.done.synchronize()
+        t = self.t
+        if not self.has_beta:
+            return (self.host.clone() if self.done is not None else self.host), None
+        return self.host[..., :t].contiguous(), self.host[..., t:].to(torch.int32).contiguous().view(
+            torch.float32
+        )

@@ -244,6 +244,9 @@ class SlotKVCache:
             [t_slot, src, dst, z_slot, z_row, slot, rows], self.k.device
         )
         lh = self.n_layers * self.n_kv_heads
+        # a device scalar: a Python number on the right of an indexed write is first copied from
+        # pageable host memory, which waits for the device (docs/engine.md, "Batched events")
+        zero = self.beta.new_zeros(())
         # [slot, row, L * H_kv, ...] views: an indexed row carries every layer and head
         bufs = [
             buf.view(self.max_slots, lh, self.capacity, -1).transpose(1, 2)
@@ -258,14 +261,14 @@ class SlotKVCache:
             _put(bk, (slot[:, None], rows), keys.to(self.k.dtype).transpose(1, 2))
             _put(bv, (slot[:, None], rows), values.to(self.v.dtype).transpose(1, 2))
             if beta is None:
-                bb[slot[:, None], rows] = 0.0
+                bb[slot[:, None], rows] = zero
             else:
                 bb[slot[:, None], rows] = beta.transpose(1, 2)[..., None].to(torch.float32)
                 found = nonzero if nonzero is not None else (beta.flatten(1).abs().amax(1) > 0).tolist()
                 for s, f in zip(slots, found):
                     self.has_beta[s] = self.has_beta[s] or bool(f)
         if z_row.numel():
-            bufs[2][z_slot, z_row] = 0.0
+            bufs[2][z_slot, z_row] = zero
         lengths = new.tolist()
         for s, m in zip(slots, lengths):
             self._lengths[s] = m

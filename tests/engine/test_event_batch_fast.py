@@ -119,3 +119,36 @@ def test_fast_engine_stacked_sessions_equal_lone_ones(tiny_model_path, compute_b
     rows = engine.layout.n_layers * engine.layout.n_kv_heads
     assert max(stacked[2]) > rows
     assert_same_sessions(stacked, alone, 1e-4)
+
+
+@pytest.mark.gpu
+def test_a_stacked_round_waits_for_the_device_only_for_its_copy_back(tiny_model_path, monkeypatch):
+    """Every operation of a round (probes, stacking, scoring, write-back, records) is launched
+    without a host synchronisation; the round waits once per call, on its copy back's CUDA event
+    (which ``set_sync_debug_mode`` does not count). A Python number written through an index, or a
+    blocking copy, would raise here (docs/engine.md, "Batched events")."""
+    from test_batched_events import BUDGET, GREEDY, rollout, workload
+
+    from compaction_gym.engine import CompactionConfig, Engine
+    from compaction_gym.engine.compactor import Compactor
+
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=4, capacity=512, fast=True
+    )
+    rounds = []
+    compact_many = Compactor.compact_many
+
+    def strict(self, requests):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            events = compact_many(self, requests)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rounds.append(len(events))
+        return events
+
+    monkeypatch.setattr(Compactor, "compact_many", strict)
+    cfg = CompactionConfig(mode="attention_matching", compute_beta=True, queries="suffix", **BUDGET)
+    prompts, inputs = workload(4, [16] * 4, seed=11)
+    rollout(engine, [cfg] * 4, prompts, inputs, GREEDY, stacked=True)
+    assert max(rounds) > 1  # rounds of several events ran (and raised nothing)
