@@ -16,15 +16,25 @@ Rows, each the median of ``--repeats`` runs (wall time, device synchronised):
 Agreement of the two implementations is printed beside the timings (same kept indices, relative
 difference of C2, largest β difference).
 
+``--baseline REV`` also times ``compact_fast`` of git revision ``REV`` (its
+``engine/fast/compaction.py``, run on the current package) in the same process, and prints the
+ratio and the agreement of the two; ``REV`` may instead name such a file (no git on the device:
+``git show REV:compaction_gym/engine/fast/compaction.py > benchmarks/baseline_compaction.py``).
+
 Usage:
-    python benchmarks/bench_compaction.py
+    python benchmarks/bench_compaction.py --repeats 7
+    python benchmarks/bench_compaction.py --repeats 7 --baseline benchmarks/baseline_compaction.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from gpu_shapes import QWEN3_SHAPES, device_line, print_table, wall_time
@@ -38,7 +48,26 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=int, default=256)
     p.add_argument("--probes", type=int, default=256, help="recorded query positions (n_probe_queries)")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--baseline", default=None, help="git revision (or file) of a compact_fast to time beside")
     return p
+
+
+def load_baseline(spec: str):
+    """``compact_fast`` of ``spec``: an ``engine/fast/compaction.py`` file, or a git revision's."""
+    path = Path(spec)
+    if not path.is_file():
+        root = Path(__file__).resolve().parent.parent
+        text = subprocess.run(
+            ["git", "show", f"{spec}:compaction_gym/engine/fast/compaction.py"],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:  # Triton reads the source
+            f.write(text)
+        path = Path(f.name)
+    module_spec = importlib.util.spec_from_file_location("baseline_compaction", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.compact_fast
 
 
 def inputs(args, seed: int = 0):
@@ -83,9 +112,13 @@ def engine_event(args, compute_beta: bool) -> float:
         shape["num_hidden_layers"], shape["num_attention_heads"], shape["num_key_value_heads"], d, d,
         shape["vocab_size"], d**-0.5,
     )  # fmt: skip
-    cache = SlotKVCache(layout.n_layers, layout.n_kv_heads, d, 1, args.kv, torch.bfloat16, torch.device("cuda"))
+    cache = SlotKVCache(
+        layout.n_layers, layout.n_kv_heads, d, 1, args.kv, torch.bfloat16, torch.device("cuda")
+    )
     compactor = Compactor(cache, layout, compact_fn=compact_fast)
-    config = CompactionConfig(mode="attention_matching", compute_beta=compute_beta, n_probe_queries=args.probes)
+    config = CompactionConfig(
+        mode="attention_matching", compute_beta=compute_beta, n_probe_queries=args.probes
+    )
     times = []
     for _ in range(args.repeats + 1):
         cache.k.normal_()
@@ -94,9 +127,13 @@ def engine_event(args, compute_beta: bool) -> float:
         s = Session("bench", 0, config, SamplingParams(), None, 0, args.prompt, args.prompt)
         s.row_map.append(0, args.kv)
         s.fed = args.kv
-        s.probes = ProbeRing(layout.n_layers, layout.n_q_heads, d, args.probes, torch.bfloat16, cache.k.device)
+        s.probes = ProbeRing(
+            layout.n_layers, layout.n_q_heads, d, args.probes, torch.bfloat16, cache.k.device
+        )
         s.probes.push(
-            torch.randn(layout.n_layers, layout.n_q_heads, args.probes, d, device="cuda", dtype=torch.bfloat16),
+            torch.randn(
+                layout.n_layers, layout.n_q_heads, args.probes, d, device="cuda", dtype=torch.bfloat16
+            ),
             args.kv - args.probes,
         )
         span = (args.prompt, args.prompt + args.span)
@@ -118,22 +155,57 @@ def main(argv: list[str] | None = None) -> int:
     keys, values, queries, scale = inputs(args)
     span = (args.prompt, args.prompt + args.span)
     rows = []
+    fns = [("compact", compact), ("compact_fast", compact_fast)]
+    if args.baseline:
+        fns.append((f"compact_fast@{args.baseline}", load_baseline(args.baseline)))
     for beta in (False, True):
         res = {}
         times = {}
-        for name, fn in (("compact", compact), ("compact_fast", compact_fast)):
+        for name, fn in fns:
+
             def call(fn=fn, beta=beta):
                 return fn(keys, values, queries, span, args.target, compute_beta=beta, scale=scale)
 
             res[name] = call()  # warm-up (and Triton compilation)
-            reps = args.repeats if name == "compact_fast" else max(3, args.repeats // 3)
+            reps = args.repeats if name.startswith("compact_fast") else max(3, args.repeats // 3)
             times[name] = statistics.median(wall_time(call) for _ in range(reps))
             print(f"{name} beta={beta}: {times[name] * 1e3:.2f} ms", flush=True)
         event = engine_event(args, beta)
         note = agreement(res["compact"], res["compact_fast"], keys, queries, span, scale)
         rows.append(["compact (reference)", beta, times["compact"] * 1e3, 1.0, ""])
-        rows.append(["compact_fast", beta, times["compact_fast"] * 1e3, times["compact"] / times["compact_fast"], note])
-        rows.append(["engine event (fast)", beta, event * 1e3, times["compact"] / event, "probes + compact + write-back"])
+        rows.append(
+            [
+                "compact_fast",
+                beta,
+                times["compact_fast"] * 1e3,
+                times["compact"] / times["compact_fast"],
+                note,
+            ]
+        )
+        if args.baseline:
+            name = f"compact_fast@{args.baseline}"
+            note = agreement(res[name], res["compact_fast"], keys, queries, span, scale).replace(
+                "fast/ref", "current/baseline"
+            )
+            note += f"; current is {times[name] / times['compact_fast']:.2f}x faster"
+            rows.append(
+                [
+                    f"compact_fast (baseline {args.baseline})",
+                    beta,
+                    times[name] * 1e3,
+                    times["compact"] / times[name],
+                    note,
+                ]
+            )
+        rows.append(
+            [
+                "engine event (fast)",
+                beta,
+                event * 1e3,
+                times["compact"] / event,
+                "probes + compact + write-back",
+            ]
+        )
     print()
     print_table(
         ["implementation", "β", "ms", "speed-up vs reference", "agreement"],
