@@ -374,6 +374,7 @@ class Compactor:
         # stacked call's or a slot holding β beside it), is its own rows' β, zero (SlotKVCache.has_beta)
         compute_beta = events[0].session.config.compute_beta  # one of the batch key's settings
         beta = blocks.beta if compute_beta or any(cache.has_beta[s] for s in slots) else None
+        # nonzero: "nothing new known" (each slot's own flag), so the write-back asks the device nothing
         kv_after = cache.replace_spans(
             slots, [p.span for p in events], blocks.keys, blocks.values, beta,
             nonzero=[cache.has_beta[s] for s in slots],

@@ -278,12 +278,6 @@ def event_blocks(result: CompactionResult, stacked: StackedRows | None = None) -
     )
 
 
-def to_host(indices: torch.Tensor, beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Int64 ``indices`` and float32 ``beta`` (same shape) on the host in one device→host copy
-    (:class:`HostCopy`, waited for at once)."""
-    return HostCopy(indices, beta).wait()
-
-
 class HostCopy:
     """Int64 ``indices`` and float32 ``beta`` (same shape) on their way to the host: one
     asynchronous device→host copy into pinned memory, started at construction; :meth:`wait`
@@ -318,6 +312,5 @@ class HostCopy:
         t = self.t
         if not self.has_beta:
             return (self.host.clone() if self.done is not None else self.host), None
-        return self.host[..., :t].contiguous(), self.host[..., t:].to(torch.int32).contiguous().view(
-            torch.float32
-        )
+        bits = self.host[..., t:].to(torch.int32).contiguous()
+        return self.host[..., :t].contiguous(), bits.view(torch.float32)

@@ -86,9 +86,7 @@ class FastModelRunner:
         self.max_batch = cache.max_slots
         self.buckets = graph_buckets(self.max_batch)
         self.sm_count = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 1
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
         dev, nb = self.device, self.max_batch
         self._host_free = torch.cuda.Event() if dev.type == "cuda" else None
@@ -115,9 +113,7 @@ class FastModelRunner:
     @chunk_steps.setter
     def chunk_steps(self, n: int) -> None:
         if not 1 <= n <= self._chunk_width:
-            raise ValueError(
-                f"chunk_steps must be in [1, {self._chunk_width}] (set at construction), got {n}"
-            )
+            raise ValueError(f"chunk_steps must be in [1, {self._chunk_width}] (set at construction), got {n}")
         self._chunk_steps = n
 
     def _alloc_inputs(self, n_stops: int) -> None:
@@ -142,17 +138,10 @@ class FastModelRunner:
         for n0, n in zip(lens, sizes):
             assert n0 + n <= cache.capacity, "runner asked to overflow a slot"
         self._ensure_positions(max(r.start + n for r, n in zip(rows, sizes)))
-        if (
-            self.use_graphs
-            and max(sizes) == 1
-            and len(rows) <= self.max_batch
-            and not any(r.score for r in rows)
-        ):
+        if self.use_graphs and max(sizes) == 1 and len(rows) <= self.max_batch and not any(r.score for r in rows):
             logits = self._forward_decode(rows, lens)
         else:
-            logits = torch.cat(
-                [self._forward_flat(g, [lens[i] for i in idx]) for idx, g in self._groups(rows)]
-            )
+            logits = torch.cat([self._forward_flat(g, [lens[i] for i in idx]) for idx, g in self._groups(rows)])
         for r, n in zip(rows, sizes):
             cache.advance(r.slot, n)
         return logits
@@ -178,13 +167,7 @@ class FastModelRunner:
         batch = len(rows)
         bucket = self._bucket(batch)
         self._load_inputs(
-            [
-                [r.token_ids[0] for r in rows],
-                [r.start for r in rows],
-                [r.slot for r in rows],
-                lens,
-                [n + 1 for n in lens],
-            ],
+            [[r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens]],
             bucket,
         )
         g = self._graph(bucket, "logits", False)
@@ -238,9 +221,7 @@ class FastModelRunner:
             logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, record=record)
         if kind == "logits":
             return _Graph(None, logits)
-        tokens, logprobs = sample_device(
-            logits, self.sampling, greedy_only=kind == "greedy", filtered=kind == "filtered"
-        )
+        tokens, logprobs = sample_device(logits, self.sampling, greedy_only=kind == "greedy", filtered=kind == "filtered")
         if record:
             self._q_steps[:, :batch].index_copy_(2, self._step, self._q_rec[:, :batch, None])
         decode_advance(tokens, logprobs, state, self._out_tok[:batch], self._out_lp[:batch], self._step)
@@ -331,9 +312,7 @@ class FastModelRunner:
         ]
         n_tok = len(flat[0])
         per_row = [[r.slot for r in rows], lens, tok0, sizes, [t + n - 1 for t, n in zip(tok0, sizes)]]
-        packed = torch.tensor([x for col in flat + per_row for x in col], dtype=torch.long).to(
-            dev, non_blocking=True
-        )
+        packed = torch.tensor([x for col in flat + per_row for x in col], dtype=torch.long).to(dev, non_blocking=True)
         ids, pos, slot_t, row_t = packed[: 4 * n_tok].view(4, n_tok)
         slots_b, starts_b, tok0_b, n_b, last_b = packed[4 * n_tok :].view(5, len(rows))
         max_new = max(sizes)
@@ -343,21 +322,13 @@ class FastModelRunner:
                 q, c.k[:, i], c.v[:, i], c.beta[:, i], slots_b, starts_b, tok0_b, n_b, max_new, dec.scale
             )
 
-        recording = [
-            (b, min(n, r.recorder.capacity)) for b, (r, n) in enumerate(zip(rows, sizes)) if r.recorder
-        ]
+        recording = [(b, min(n, r.recorder.capacity)) for b, (r, n) in enumerate(zip(rows, sizes)) if r.recorder]
         recorded: list[torch.Tensor] = []
         record = None
         if recording:
             # upload: a pageable host → device copy would wait for the device before the prefill's launches
-            (rec_idx,) = upload(
-                [
-                    torch.tensor(
-                        [i for b, m in recording for i in range(tok0[b] + sizes[b] - m, tok0[b] + sizes[b])]
-                    )
-                ],
-                dev,
-            )
+            rec = [i for b, m in recording for i in range(tok0[b] + sizes[b] - m, tok0[b] + sizes[b])]
+            (rec_idx,) = upload([torch.tensor(rec)], dev)
 
             def record(i: int, q: torch.Tensor) -> None:
                 recorded.append(q[rec_idx])
@@ -365,9 +336,7 @@ class FastModelRunner:
         scoring = [b for b, r in enumerate(rows) if r.score]
         if scoring:  # every token of a scoring row, the last one of the others
             keep = [
-                i
-                for b, n in enumerate(sizes)
-                for i in (range(tok0[b], tok0[b] + n) if rows[b].score else [tok0[b] + n - 1])
+                i for b, n in enumerate(sizes) for i in (range(tok0[b], tok0[b] + n) if rows[b].score else [tok0[b] + n - 1])
             ]
             (keep_t,) = upload([torch.tensor(keep)], dev)
             all_logits = dec.run(ids, pos, slot_t, row_t, c.k, c.v, attend, last=keep_t, record=record)
@@ -422,14 +391,7 @@ class FastModelRunner:
         kind = "greedy" if self.sampling.greedy else ("filtered" if self.sampling.filtered else "sample")
         record = any(r.recorder is not None for r in rows)
         stops = [sorted(r.stop_ids) + [-1] * (n_stops - len(r.stop_ids)) for r in rows]
-        columns = [
-            [r.token for r in rows],
-            [r.start for r in rows],
-            [r.slot for r in rows],
-            lens,
-            [n + 1 for n in lens],
-            limits,
-        ]
+        columns = [[r.token for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens], limits]
         self._load_inputs(columns + [list(col) for col in zip(*stops)], bucket)
         self._step.zero_()
         g = self._graph(bucket, kind, record) if self.use_graphs else None
@@ -501,9 +463,7 @@ class FastModelRunner:
                 out[b][1].extend(lps)
                 r = rows[b]
                 if toks[-1] not in stops and len(toks) < r.max_steps:
-                    rows[b] = replace(
-                        r, token=toks[-1], start=r.start + len(toks), max_steps=r.max_steps - len(toks)
-                    )
+                    rows[b] = replace(r, token=toks[-1], start=r.start + len(toks), max_steps=r.max_steps - len(toks))
                     going_on.append(b)
             todo = going_on
         return [t for t, _ in out], [lp for _, lp in out]
