@@ -126,19 +126,33 @@ def folded_bias_sdpa(
     takes it for half-precision models; ``mask`` is additive, broadcastable to ``[B, H_kv, G·N, S]``."""
     d = query.shape[-1]
     scale = scaling if scaling is not None else d**-0.5
+    key = torch.cat([key, bias_columns(bias, scale, key.dtype), key.new_zeros(*key.shape[:-1], FOLD_PAD - BIAS_COLUMNS)], -1)
+    dv = value.shape[-1]
+    out = grouped_sdpa(fold_query(query), key, pad_head(value), mask, scaling=scale, dropout=dropout)
+    return out[..., :dv]
+
+
+def bias_columns(bias: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``β / scale`` as :data:`BIAS_COLUMNS` terms of ``dtype`` ``[..., 3]`` whose float32 sum is
+    ``β / scale`` to ~24 bits (each term rounds what the previous ones left)."""
     rest = bias.float() / scale
     terms = []
     for _ in range(BIAS_COLUMNS):
-        term = rest.to(key.dtype)
+        term = rest.to(dtype)
         terms.append(term)
         rest = rest - term.float()
-    pad = FOLD_PAD - BIAS_COLUMNS
-    key = torch.cat([key, torch.stack(terms, -1), key.new_zeros(*key.shape[:-1], pad)], -1)
+    return torch.stack(terms, -1)
+
+
+def fold_query(query: torch.Tensor) -> torch.Tensor:
+    """``[q, 1, 1, 1, 0…]``: the query side of :func:`folded_bias_sdpa` (head dim + :data:`FOLD_PAD`)."""
     ones = query.new_ones(*query.shape[:-1], BIAS_COLUMNS)
-    query = torch.cat([query, ones, query.new_zeros(*query.shape[:-1], pad)], -1)
-    dv = value.shape[-1]
-    value = torch.cat([value, value.new_zeros(*value.shape[:-1], FOLD_PAD)], -1)
-    return grouped_sdpa(query, key, value, mask, scaling=scale, dropout=dropout)[..., :dv]
+    return torch.cat([query, ones, query.new_zeros(*query.shape[:-1], FOLD_PAD - BIAS_COLUMNS)], -1)
+
+
+def pad_head(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with :data:`FOLD_PAD` zero columns appended (keys before their β columns are written, values)."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], FOLD_PAD)], -1)
 
 
 class SlotCache(Cache):

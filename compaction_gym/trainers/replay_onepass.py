@@ -34,7 +34,14 @@ from torch.profiler import record_function
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
-from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
+from compaction_gym.engine.attention import (
+    BIAS_COLUMNS,
+    FOLD_PAD,
+    bias_columns,
+    fold_query,
+    grouped_sdpa,
+    pad_head,
+)
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
@@ -443,6 +450,8 @@ class OnePassReplay:
         value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
         flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
         with record_function("replay.attention"):
+            if self._folds(flat_q.dtype):  # β's head-dim columns added once per layer, not per bucket
+                key_rows, value_rows, flat_q = pad_head(key_rows), pad_head(value_rows), fold_query(flat_q)
             outs = [
                 self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets
             ]
@@ -452,23 +461,32 @@ class OnePassReplay:
     def _bucket_attention(self, b: _Bucket, layer: int, flat_q: torch.Tensor, key_rows: torch.Tensor,
                           value_rows: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
         """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``."""
-        H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
-        kp = _gather_rows(key_rows, b.keys.at(layer, H)).reshape(H, b.pieces, b.width, d).transpose(0, 1)
-        vp = _gather_rows(value_rows, b.values.at(layer, H))
-        vp = vp.reshape(H, b.pieces, b.width, -1).transpose(0, 1)
-        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
+        H, Hq = key_rows.shape[0], flat_q.shape[1]
+        kp = _gather_pieces(key_rows, b.keys.at(layer, H), b.pieces)
+        vp = _gather_pieces(value_rows, b.values.at(layer, H), b.pieces)
+        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, -1).transpose(1, 2)
         if b.bias is None:
             out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
-        elif flat_q.dtype in (torch.bfloat16, torch.float16):  # β inside the half-precision product
+        elif self._folds(flat_q.dtype):  # β inside the half-precision product (folded_bias_sdpa's columns)
+            d = kp.shape[-1] - FOLD_PAD
+            scale = scaling if scaling is not None else d**-0.5
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
-            out = folded_bias_sdpa(qp, kp, vp, bias, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
+            kp[..., d : d + BIAS_COLUMNS] = bias_columns(bias, scale, kp.dtype)
+            out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scale)
         else:  # β: float32 product, as the engine and the segment replay
             dtype = torch.promote_types(flat_q.dtype, torch.float32)
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, 1, b.width).transpose(0, 1)
             mask = self._mask(b, dtype, Hq // H) + bias.to(dtype)
             with torch.autocast(flat_q.device.type, enabled=False):
                 out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling, compute_dtype=dtype)
+        if self._folds(flat_q.dtype):
+            out = out[..., : out.shape[-1] - FOLD_PAD]
         return out.reshape(b.pieces * b.queries, Hq, -1)
+
+    def _folds(self, dtype: torch.dtype) -> bool:
+        """Whether β rides in extra head-dim columns (:func:`~compaction_gym.engine.attention.folded_bias_sdpa`):
+        a plan with β in a half-precision model."""
+        return self.plan.has_bias and dtype in (torch.bfloat16, torch.float16)
 
     def _mask(self, b: _Bucket, dtype: torch.dtype, groups: int) -> torch.Tensor:
         """The bucket's additive mask ``[P, 1, G·n_q, W]`` (the same at every layer: built once)."""
@@ -782,6 +800,15 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     H, R = x.shape[0], x.shape[1]
     flat = (idx + torch.arange(0, H * R, R, device=idx.device)[:, None]).reshape(-1)
     return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(H, idx.shape[1], -1)
+
+
+def _gather_pieces(x: torch.Tensor, idx: torch.Tensor, pieces: int) -> torch.Tensor:
+    """:func:`_gather_rows` laid out piece-major: ``[P, H, W, d]`` (contiguous, as attention takes it)
+    for ``idx`` ``[H|1, P·W]``."""
+    H, R = x.shape[0], x.shape[1]
+    flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
+    flat = flat.reshape(H, pieces, -1).transpose(0, 1).reshape(-1)
+    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(pieces, H, -1, x.shape[-1])
 
 
 def _per_event(x: torch.Tensor, events: int, width: int) -> torch.Tensor:

@@ -213,6 +213,54 @@ def test_beta_folded_into_the_half_precision_product(dtype):
     assert (plain.float() - ref.float()).abs().max().item() > 50 * tol
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_beta_columns_added_once_per_layer_equal_folding_each_bucket(engine, model, monkeypatch, grad):
+    """In a half-precision model one pass pads the layer's query, key and value rows once and writes
+    β's columns into each bucket's gathered keys: log-probabilities and gradients equal folding each
+    bucket separately through ``folded_bias_sdpa`` (the tested reference), several events per episode."""
+    import copy
+
+    from compaction_gym.engine.attention import folded_bias_sdpa, grouped_sdpa
+    from compaction_gym.trainers import replay_onepass as rop
+
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=s, turns=4) for s in (0, 1)]
+    assert all(v.events and len(v.events) >= 2 for v in views)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+
+    def per_bucket(self, b, layer, flat_q, key_rows, value_rows, scaling):
+        H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
+        kp = rop._gather_rows(key_rows, b.keys.at(layer, H)).reshape(H, b.pieces, b.width, d).transpose(0, 1)
+        vp = rop._gather_rows(value_rows, b.values.at(layer, H)).reshape(H, b.pieces, b.width, -1).transpose(0, 1)
+        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
+        mask = self._mask(b, flat_q.dtype, Hq // H)
+        if b.bias is None:
+            out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling)
+        else:
+            bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
+            out = folded_bias_sdpa(qp, kp, vp, bias, mask, scaling=scaling)
+        return out.reshape(b.pieces * b.queries, Hq, -1)
+
+    def run():
+        half.zero_grad(set_to_none=True)
+        out = replay_logprobs_batch(half, views, method="one_pass", grad=grad)
+        if grad:
+            torch.stack([lp.float().sum() for lp in out.logprobs]).sum().backward()
+        return [lp.detach() for lp in out.logprobs], {n: p.grad for n, p in half.named_parameters()}
+
+    new, new_grads = run()
+    monkeypatch.setattr(rop.OnePassReplay, "_folds", lambda self, dtype: False)
+    monkeypatch.setattr(rop.OnePassReplay, "_bucket_attention", per_bucket)
+    ref, ref_grads = run()
+    for x, y in zip(new, ref):
+        assert x.dtype == y.dtype and (x.float() - y.float()).abs().max().item() < 1e-6
+    for name, g in new_grads.items():
+        if grad:
+            scale = ref_grads[name].float().abs().max().clamp_min(1e-12)
+            assert ((g.float() - ref_grads[name].float()).abs().max() / scale).item() < 1e-2, name
+        else:
+            assert g is None and ref_grads[name] is None
+
+
 @pytest.mark.parametrize("queries", ["suffix", "keys", "random"])
 @pytest.mark.parametrize("mode", ["attention_matching+beta", "attention_matching"])
 def test_value_map_backward_equals_autograd(engine, model, monkeypatch, mode, queries):
