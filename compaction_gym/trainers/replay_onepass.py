@@ -42,6 +42,7 @@ from compaction_gym.engine.attention import (
     grouped_sdpa,
     pad_head,
 )
+from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
@@ -617,20 +618,15 @@ class OnePassReplay:
     ]:  # fmt: skip
         """The kept keys' softmax before the padding mask, the design ``X`` ``[E·H, n, t]`` (padding
         probes' rows zero) and the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
+        beta = None if g.beta is None else g.beta[layer]
         raw = half_product(probes, span_keys)  # no float32 copies when it applies
-        if raw is not None:
-            raw.mul_(self.scale)
-            logits = raw if bias is None else raw + bias.float()[:, None, :]
+        if raw is not None:  # both softmaxes in one pass over the logits where Triton runs
+            xs, attn = span_and_kept_softmax(raw, self.scale, g.kept[layer], bias, beta)
         else:
             with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
                 raw, logits = attention_logits(span_keys, probes, self.scale, bias)
-        kept = g.kept[layer][:, None, :].expand(-1, logits.shape[1], -1)
-        if g.beta is None:
-            kept_logits = torch.gather(logits, 2, kept)
-        else:
-            kept_logits = torch.gather(raw, 2, kept) + g.beta[layer].to(raw.dtype)[:, None, :]
-        xs = torch.softmax(kept_logits, dim=-1)
-        attn = torch.softmax(logits, dim=-1)
+            beta = None if beta is None else beta.to(raw.dtype)
+            xs, attn = kept_and_span_softmax_of(raw, logits, g.kept[layer], beta)
         x = xs if mask is None else xs * mask[:, :, None].to(xs.dtype)  # padding probes drop out
         return xs, x, attn
 
