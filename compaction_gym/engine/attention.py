@@ -124,24 +124,25 @@ def folded_bias_sdpa(
     sized is built per layer, and the product runs on the fused half-precision kernels instead of
     float32 attention over float32 copies of q, k and v (docs/grpo.md, "Replay in one pass"). Replay
     takes it for half-precision models; ``mask`` is additive, broadcastable to ``[B, H_kv, G·N, S]``."""
-    d = query.shape[-1]
-    scale = scaling if scaling is not None else d**-0.5
-    key = torch.cat([key, bias_columns(bias, scale, key.dtype), key.new_zeros(*key.shape[:-1], FOLD_PAD - BIAS_COLUMNS)], -1)
-    dv = value.shape[-1]
+    key = pad_head(key)
+    scale = write_bias_columns(key, bias, scaling)
     out = grouped_sdpa(fold_query(query), key, pad_head(value), mask, scaling=scale, dropout=dropout)
-    return out[..., :dv]
+    return out[..., : value.shape[-1]]
 
 
-def bias_columns(bias: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``β / scale`` as :data:`BIAS_COLUMNS` terms of ``dtype`` ``[..., 3]`` whose float32 sum is
-    ``β / scale`` to ~24 bits (each term rounds what the previous ones left)."""
+def write_bias_columns(key: torch.Tensor, bias: torch.Tensor, scaling: float | None) -> float:
+    """Write ``β / scale`` into the β columns of padded keys (:func:`pad_head`) ``[..., d + FOLD_PAD]``
+    as :data:`BIAS_COLUMNS` terms of the keys' dtype whose float32 sum is ``β / scale`` to ~24 bits
+    (each term rounds what the previous ones left); ``bias`` is ``key.shape[:-1]``. Returns the
+    logit scale the columns assume: ``scaling``, or ``d ** -0.5`` of the unpadded head dim."""
+    d = key.shape[-1] - FOLD_PAD
+    scale = scaling if scaling is not None else d**-0.5
     rest = bias.float() / scale
-    terms = []
-    for _ in range(BIAS_COLUMNS):
-        term = rest.to(dtype)
-        terms.append(term)
+    for j in range(BIAS_COLUMNS):
+        term = rest.to(key.dtype)
+        key[..., d + j] = term
         rest = rest - term.float()
-    return torch.stack(terms, -1)
+    return scale
 
 
 def fold_query(query: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,7 @@ def fold_query(query: torch.Tensor) -> torch.Tensor:
 
 
 def pad_head(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with :data:`FOLD_PAD` zero columns appended (keys before their β columns are written, values)."""
+    """``x`` with :data:`FOLD_PAD` zero columns appended (keys before :func:`write_bias_columns`, values)."""
     return torch.cat([x, x.new_zeros(*x.shape[:-1], FOLD_PAD)], -1)
 
 

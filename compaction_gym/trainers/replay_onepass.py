@@ -34,14 +34,7 @@ from torch.profiler import record_function
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
-from compaction_gym.engine.attention import (
-    BIAS_COLUMNS,
-    FOLD_PAD,
-    bias_columns,
-    fold_query,
-    grouped_sdpa,
-    pad_head,
-)
+from compaction_gym.engine.attention import FOLD_PAD, fold_query, grouped_sdpa, pad_head, write_bias_columns
 from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
@@ -463,16 +456,15 @@ class OnePassReplay:
                           value_rows: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
         """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``."""
         H, Hq = key_rows.shape[0], flat_q.shape[1]
-        kp = _gather_pieces(key_rows, b.keys.at(layer, H), b.pieces)
-        vp = _gather_pieces(value_rows, b.values.at(layer, H), b.pieces)
+        fold = self._folds(flat_q.dtype)  # then the rows arrive padded (attend)
+        kp = _gather_blocks(key_rows, b.keys.at(layer, H), b.pieces)
+        vp = _gather_blocks(value_rows, b.values.at(layer, H), b.pieces)
         qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, -1).transpose(1, 2)
         if b.bias is None:
             out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
-        elif self._folds(flat_q.dtype):  # β inside the half-precision product (folded_bias_sdpa's columns)
-            d = kp.shape[-1] - FOLD_PAD
-            scale = scaling if scaling is not None else d**-0.5
+        elif fold:  # β inside the half-precision product (folded_bias_sdpa's columns)
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
-            kp[..., d : d + BIAS_COLUMNS] = bias_columns(bias, scale, kp.dtype)
+            scale = write_bias_columns(kp, bias, scaling)
             out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scale)
         else:  # β: float32 product, as the engine and the segment replay
             dtype = torch.promote_types(flat_q.dtype, torch.float32)
@@ -480,7 +472,7 @@ class OnePassReplay:
             mask = self._mask(b, dtype, Hq // H) + bias.to(dtype)
             with torch.autocast(flat_q.device.type, enabled=False):
                 out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling, compute_dtype=dtype)
-        if self._folds(flat_q.dtype):
+        if fold:
             out = out[..., : out.shape[-1] - FOLD_PAD]
         return out.reshape(b.pieces * b.queries, Hq, -1)
 
@@ -523,7 +515,7 @@ class OnePassReplay:
             with record_function("replay.c2_chain"):
                 raw, fit = [], []
                 for g, m in zip(self.groups, maps):
-                    span = _per_event(_gather_rows(values, g.raw_idx[None]), g.count, g.width).to(cdt)
+                    span = _gather_events(values, g.raw_idx[None], g.count).to(cdt)
                     raw.append(product(None, _masked(m, g.raw_mask, g.count), span))  # the raw columns' share
                     if g.fit_cols is not None:  # the fitted columns' maps, [E·H, t, f]
                         fit.append(_masked(torch.gather(m, 2, g.fit_cols), g.fit_valid, g.count))
@@ -590,7 +582,7 @@ class OnePassReplay:
         """The group's probes ``[E·H, n, d]``, span keys ``[E·H, w, d]``, padding-probe mask
         ``[E·H, n]`` and β of the span's rows ``[E·H, w]`` (``None`` where absent)."""
         H, d = keys.shape[0], keys.shape[-1]
-        span_keys = _per_event(_gather_rows(keys, g.keys.at(layer, H)), g.count, g.width)
+        span_keys = _gather_events(keys, g.keys.at(layer, H), g.count)
         mask = g.probe_mask
         if g.kind == "suffix":
             groups = query.shape[1] // H
@@ -601,7 +593,7 @@ class OnePassReplay:
                 mask = mask[:, None, None, :].expand(-1, H, groups, -1).reshape(g.count * H, groups * g.n)
         else:
             if g.kind == "keys":
-                probes = _per_event(_gather_rows(keys, g.probe_idx.at(layer, H)), g.count, g.n)
+                probes = _gather_events(keys, g.probe_idx.at(layer, H), g.count)
             else:
                 probes = g.probes[layer].to(keys.dtype)
             if mask is not None:
@@ -787,30 +779,24 @@ def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor
     return (m.reshape(events, -1, *shape[1:]) * columns).reshape(shape)
 
 
-def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[h, idx[h, j]]`` ``[H, n, d]`` for ``x`` ``[H, R, d]`` and ``idx`` ``[H|1, n]``.
+def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``x[h, idx[h, b·w + j]]`` laid out block-major, ``[blocks, H, w, d]`` (contiguous: attention's
+    ``[P, H, W, d]``, and a view away from the plan's event-major ``[E·H, w, d]`` batch), for ``x``
+    ``[H, R, d]`` and ``idx`` ``[H|1, blocks·w]``.
 
     Row gathers as an embedding lookup, not ``gather``: one index per row instead of one per
     element, and a backward that sums each source row's gradients after sorting the indices
-    (measured 1.2–1.8× faster on an H200 than ``index_select``'s ``index_add``, docs/grpo.md)."""
-    H, R = x.shape[0], x.shape[1]
-    flat = (idx + torch.arange(0, H * R, R, device=idx.device)[:, None]).reshape(-1)
-    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(H, idx.shape[1], -1)
-
-
-def _gather_pieces(x: torch.Tensor, idx: torch.Tensor, pieces: int) -> torch.Tensor:
-    """:func:`_gather_rows` laid out piece-major: ``[P, H, W, d]`` (contiguous, as attention takes it)
-    for ``idx`` ``[H|1, P·W]``."""
+    (measured 1.2–1.8× faster on an H200 than ``index_select``'s ``index_add``, docs/grpo.md). The
+    indices are put in block-major order first, so no transpose of the gathered rows is copied."""
     H, R = x.shape[0], x.shape[1]
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
-    flat = flat.reshape(H, pieces, -1).transpose(0, 1).reshape(-1)
-    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(pieces, H, -1, x.shape[-1])
+    flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
+    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(blocks, H, -1, x.shape[-1])
 
 
-def _per_event(x: torch.Tensor, events: int, width: int) -> torch.Tensor:
-    """``[H, E·w, d]`` → ``[E·H, w, d]`` (event-major, as the plan's ``E·H`` batch)."""
-    H = x.shape[0]
-    return x.reshape(H, events, width, -1).transpose(0, 1).reshape(events * H, width, -1)
+def _gather_events(x: torch.Tensor, idx: torch.Tensor, events: int) -> torch.Tensor:
+    """:func:`_gather_blocks` as the plan's event-major batch ``[E·H, w, d]``."""
+    return _gather_blocks(x, idx, events).flatten(0, 1)
 
 
 def score_hidden(

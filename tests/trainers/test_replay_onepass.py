@@ -227,10 +227,16 @@ def test_beta_columns_added_once_per_layer_equal_folding_each_bucket(engine, mod
     assert all(v.events and len(v.events) >= 2 for v in views)
     half = copy.deepcopy(model).to(torch.bfloat16)
 
+    def rows(x, idx, pieces):  # x[h, idx[h, j]] as [P, H, W, d] (a transposed view)
+        H = x.shape[0]
+        return torch.stack([x[h, idx[min(h, idx.shape[0] - 1)]] for h in range(H)]).reshape(
+            H, pieces, -1, x.shape[-1]
+        ).transpose(0, 1)
+
     def per_bucket(self, b, layer, flat_q, key_rows, value_rows, scaling):
         H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
-        kp = rop._gather_rows(key_rows, b.keys.at(layer, H)).reshape(H, b.pieces, b.width, d).transpose(0, 1)
-        vp = rop._gather_rows(value_rows, b.values.at(layer, H)).reshape(H, b.pieces, b.width, -1).transpose(0, 1)
+        kp = rows(key_rows, b.keys.at(layer, H), b.pieces)
+        vp = rows(value_rows, b.values.at(layer, H), b.pieces)
         qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
         mask = self._mask(b, flat_q.dtype, Hq // H)
         if b.bias is None:
