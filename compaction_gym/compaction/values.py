@@ -78,13 +78,24 @@ def factor_solve(chol: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, t
     problems' results are finite."""
     t = chol.shape[-1]
     if chol.dtype == torch.float64 and rhs.shape[-1] > t:
-        eye = torch.eye(t, dtype=chol.dtype, device=chol.device).expand_as(chol)
-        inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+        inv = _factor_inverse_lower(chol)
         # a finite inverse maps a finite right-hand side to a finite solution
         return inv.mT @ (inv @ rhs), inv.isfinite().all(-1).all(-1)
     half = torch.linalg.solve_triangular(chol, rhs, upper=False)
     sol = torch.linalg.solve_triangular(chol.mT, half, upper=True)
     return sol, sol.isfinite().all(-1).all(-1)
+
+
+def factor_inverse(chol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a⁻¹ = L⁻ᵀL⁻¹`` from ``a``'s lower Cholesky factor ``L`` (float64 callers: the explicit
+    inverse costs ``cond · eps``, see :func:`cholesky_solve_ex`), and which problems' inverses are finite."""
+    inv = _factor_inverse_lower(chol)
+    return inv.mT @ inv, inv.isfinite().all(-1).all(-1)
+
+
+def _factor_inverse_lower(chol: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(chol.shape[-1], dtype=chol.dtype, device=chol.device).expand_as(chol)
+    return torch.linalg.solve_triangular(chol, eye, upper=False)
 
 
 def ridge_solve_ex(

@@ -92,11 +92,27 @@ def grouped_sdpa(
     """
     batch, q_heads, n, d = query.shape
     q = query.reshape(batch, key.shape[1], -1, d)
-    if compute_dtype is not None:
-        q, key, value = q.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
-        mask = mask.to(compute_dtype) if mask is not None else None
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out = grouped_sdpa_heads(q, key, value, mask, scaling=scaling, dropout=dropout, compute_dtype=compute_dtype)
     return out.to(query.dtype).reshape(batch, q_heads, n, -1).transpose(1, 2)
+
+
+def grouped_sdpa_heads(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_sdpa` for queries already grouped by KV head, ``[B, H_kv, G·N, d]`` (query
+    ``g·N + i`` of KV head ``h`` is head ``h·G + g``, token ``i``); returns ``[B, H_kv, G·N, d_v]``
+    in the compute dtype (one-pass replay gathers its queries straight into this layout)."""
+    if compute_dtype is not None:
+        query, key, value = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
+        mask = mask.to(compute_dtype) if mask is not None else None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
 
 
 #: Head-dim columns that carry β in :func:`folded_bias_sdpa`: three half-precision terms, then zeros

@@ -33,14 +33,23 @@ import torch
 from torch.profiler import record_function
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
-from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_solve, normal_matrix
-from compaction_gym.engine.attention import FOLD_PAD, fold_query, grouped_sdpa, pad_head, write_bias_columns
+from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_inverse, normal_matrix
+from compaction_gym.engine.attention import fold_query, grouped_sdpa_heads, pad_head, write_bias_columns
+from compaction_gym.engine.fast.flex import (
+    FlexUnavailable,
+    flex_bias_supported,
+    key_bias_attention,
+    position_block_mask,
+)
 from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
 BUCKET_SPREAD = 1.3
+#: β's buckets run FlexAttention (the bias added to the float32 scores at the model's head dim) where
+#: it can (a half-precision model on a GPU); off, they fold β into head-dim columns (docs/grpo.md).
+FLEX_BIAS = True
 #: For half-precision models, the gradients through the value maps and the C2 chain take TF32
 #: products (the forward stays float32-exact); docs/grpo.md, "Replay in one pass".
 TF32_BACKWARD = True
@@ -178,7 +187,7 @@ class _Group:
     beta: torch.Tensor | None  # [L, E·H, t]
     raw_idx: torch.Tensor  # [E·w] the span's raw value rows (fitted columns: 0)
     raw_mask: torch.Tensor  # [E, 1, 1, w] bool
-    probe_idx: torch.Tensor | _Rows | None  # suffix: [E, n] token rows; keys: [L, H, E·n] key rows
+    probe_idx: torch.Tensor | _Rows | None  # suffix: [E·H·G·n] query rows; keys: [L, H, E·n] key rows
     probes: torch.Tensor | None  # random: [L, E·H, n, d]
     probe_mask: torch.Tensor | None  # [E, n] bool, or None when no padding
     probe_counts: torch.Tensor  # [E·H] real probes per problem
@@ -200,6 +209,16 @@ class _Bucket:
     colpos: torch.Tensor  # [P, W] each column's token (-1: the snapshot's rows, a large value: padding)
     qpos: torch.Tensor  # [P, n_q] each query's token (padding queries: see every real column)
     qrows: torch.Tensor  # [P, n_q] token rows
+    qidx: torch.Tensor  # [P·H_q·n_q] rows of the layer's queries [B·N·H_q, d], grouped by KV head
+
+
+@dataclass
+class _Tokens:
+    """Per token row of the batch: its bucket (-1: padding), its piece in it and its query index."""
+
+    bucket: np.ndarray
+    piece: np.ndarray
+    query: np.ndarray
 
 
 class OnePassReplay:
@@ -215,13 +234,15 @@ class OnePassReplay:
         self.n_layers, self.n_kv_heads = plan.n_layers, plan.n_kv_heads
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._block_masks: dict[int, Any] = {}  # per bucket, FlexAttention's (kept with the plan)
+        self._out_index: dict[tuple, torch.Tensor] = {}  # per output layout (kept with the plan)
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
         self._stage = stage = _Stage(device)
         self._layout_fits()
         self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
         self._build_buckets()
         stage.send()
-        self.groups, self.buckets, self.inv = _resolve((self.groups, self.buckets, self.inv))
+        self.groups, self.buckets = _resolve((self.groups, self.buckets))
         del self._stage
 
     def reset(self) -> None:
@@ -344,7 +365,9 @@ class OnePassReplay:
             for e, f in enumerate(fs):
                 a, b = f.probe[1], f.probe[2]
                 rows[e, : b - a] = f.row * self.width + np.arange(a, b)
-            g.probe_idx = stage(rows)
+            # query rows [B·N·H_q, d]: probe j of event e at KV head h, group member g is head h·G + g
+            heads = np.arange(self._q_heads).reshape(1, H, -1, 1)
+            g.probe_idx = stage((rows[:, None, None, :] * self._q_heads + heads).reshape(-1))
         elif kind == "keys":
             probe = _Stack.of(
                 [f.row for f in fs], [f.probe[1] for f in fs], pads=[n - f.n_probes for f in fs]
@@ -395,13 +418,14 @@ class OnePassReplay:
             else:
                 groups.append([p])
         self.buckets = [self._bucket(ps) for ps in groups]
-        offsets = np.cumsum([0] + [b.pieces * b.queries for b in self.buckets])
-        inv = np.full(self.rows, offsets[-1], np.int64)  # padding tokens read the zero row
+        # each token row's bucket (-1: padding), piece and query (for _output_index)
+        tok = self._tokens = _Tokens(
+            np.full(self.rows, -1, np.int64), np.zeros(self.rows, np.int64), np.zeros(self.rows, np.int64)
+        )  # fmt: skip
         for k, ps in enumerate(groups):
-            nq = self.buckets[k].queries
             for j, p in enumerate(ps):
-                inv[p.row * self.width + np.arange(p.q0, p.q1)] = offsets[k] + j * nq + np.arange(p.q1 - p.q0)
-        self.inv = self._stage(inv)
+                at = p.row * self.width + np.arange(p.q0, p.q1)
+                tok.bucket[at], tok.piece[at], tok.query[at] = k, j, np.arange(p.q1 - p.q0)
 
     def _bucket(self, ps: list[Piece]) -> _Bucket:
         plan, stage = self.plan, self._stage
@@ -428,6 +452,7 @@ class OnePassReplay:
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
             colpos=stage(colpos), qpos=stage(qpos), qrows=stage(qrows),
+            qidx=stage((qrows[:, None, :] * self._q_heads + np.arange(self._q_heads)[None, :, None]).reshape(-1)),
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------- per layer
@@ -435,51 +460,64 @@ class OnePassReplay:
                scaling: float | None) -> torch.Tensor:  # fmt: skip
         """The layer's attention output ``[B, N, H_q, d_v]`` over the replayed caches."""
         B, Hq, N, d = query.shape
-        H = key.shape[1]
+        H, dv = key.shape[1], value.shape[-1]
         keys = key.transpose(0, 1).reshape(H, B * N, d)
-        values = value.transpose(0, 1).reshape(H, B * N, value.shape[-1])
+        values = value.transpose(0, 1).reshape(H, B * N, dv)
+        q_rows = query.transpose(1, 2).reshape(B * N * Hq, d)  # token-major, query head fastest
         with record_function("replay.compacted_values"):
-            fitted = self._fitted_values(layer, query, keys, values)
+            fitted = self._fitted_values(layer, q_rows, keys, values)
         key_rows = keys if self.through else torch.cat([keys, keys.detach()], 1)
         value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
-        flat_q = query.transpose(1, 2).reshape(B * N, Hq, d)
         with record_function("replay.attention"):
-            if self._folds(flat_q.dtype):  # β's head-dim columns added once per layer, not per bucket
-                key_rows, value_rows, flat_q = pad_head(key_rows), pad_head(value_rows), fold_query(flat_q)
+            if self._folds(query):  # β's head-dim columns added once per layer, not per bucket
+                key_rows, value_rows, q_rows = pad_head(key_rows), pad_head(value_rows), fold_query(q_rows)
             outs = [
-                self._bucket_attention(b, layer, flat_q, key_rows, value_rows, scaling) for b in self.buckets
+                self._bucket_attention(b, layer, q_rows, key_rows, value_rows, scaling) for b in self.buckets
             ]
-            outs.append(outs[0].new_zeros(1, Hq, outs[0].shape[-1]))
-        return torch.cat(outs).index_select(0, self.inv).reshape(B, N, Hq, -1)
+            rows, layout = zip(*(_dense_rows(o) for o in outs))
+            zero = rows[0].new_zeros(1, rows[0].shape[-1])  # the padding tokens' row
+            rows = torch.cat([*rows, zero])
+            out = torch.nn.functional.embedding(self._output_index(layout), rows[:, :dv])
+        return out.reshape(B, N, Hq, dv)
 
-    def _bucket_attention(self, b: _Bucket, layer: int, flat_q: torch.Tensor, key_rows: torch.Tensor,
+    def _bucket_attention(self, b: _Bucket, layer: int, q_rows: torch.Tensor, key_rows: torch.Tensor,
                           value_rows: torch.Tensor, scaling: float | None) -> torch.Tensor:  # fmt: skip
-        """A bucket's pieces attending over their snapshots and own tokens: ``[P·n_q, H_q, d_v]``."""
-        H, Hq = key_rows.shape[0], flat_q.shape[1]
-        fold = self._folds(flat_q.dtype)  # then the rows arrive padded (attend)
+        """A bucket's pieces attending over their snapshots and own tokens: ``[P, H_kv, G·n_q, d_v]``
+        (query heads grouped by KV head, as :func:`~compaction_gym.engine.attention.grouped_sdpa`)."""
+        H = key_rows.shape[0]
         kp = _gather_blocks(key_rows, b.keys.at(layer, H), b.pieces)
         vp = _gather_blocks(value_rows, b.values.at(layer, H), b.pieces)
-        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, -1).transpose(1, 2)
+        # the queries gathered straight into the grouped layout [P, H_kv, G·n_q, d]
+        qp = torch.nn.functional.embedding(b.qidx, q_rows).reshape(b.pieces, H, -1, q_rows.shape[-1])
+        groups = self._q_heads // H
         if b.bias is None:
-            out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scaling)
-        elif fold:  # β inside the half-precision product (folded_bias_sdpa's columns)
-            bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
+            return grouped_sdpa_heads(qp, kp, vp, self._mask(b, q_rows.dtype, groups), scaling=scaling)
+        bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
+        if self._flex(q_rows):  # β added to the float32 scores inside the kernel
+            try:
+                block_mask = self._block_mask(b, groups)
+                return key_bias_attention(qp, kp, vp, bias.contiguous(), block_mask, scaling=scaling)
+            except FlexUnavailable:  # this layer's rows are not padded for the folded path: float32 below
+                pass
+        elif self._folds(q_rows):  # β inside the half-precision product (folded_bias_sdpa's columns)
             scale = write_bias_columns(kp, bias, scaling)
-            out = grouped_sdpa(qp, kp, vp, self._mask(b, flat_q.dtype, Hq // H), scaling=scale)
-        else:  # β: float32 product, as the engine and the segment replay
-            dtype = torch.promote_types(flat_q.dtype, torch.float32)
-            bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, 1, b.width).transpose(0, 1)
-            mask = self._mask(b, dtype, Hq // H) + bias.to(dtype)
-            with torch.autocast(flat_q.device.type, enabled=False):
-                out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling, compute_dtype=dtype)
-        if fold:
-            out = out[..., : out.shape[-1] - FOLD_PAD]
-        return out.reshape(b.pieces * b.queries, Hq, -1)
+            return grouped_sdpa_heads(qp, kp, vp, self._mask(b, q_rows.dtype, groups), scaling=scale)
+        # β: float32 product, as the engine and the segment replay
+        dtype = torch.promote_types(q_rows.dtype, torch.float32)
+        mask = self._mask(b, dtype, groups) + bias[:, :, None, :].to(dtype)
+        with torch.autocast(q_rows.device.type, enabled=False):
+            out = grouped_sdpa_heads(qp, kp, vp, mask, scaling=scaling, compute_dtype=dtype)
+        return out.to(q_rows.dtype)
 
-    def _folds(self, dtype: torch.dtype) -> bool:
+    def _flex(self, x: torch.Tensor) -> bool:
+        """Whether β's buckets run :func:`~compaction_gym.engine.fast.flex.key_bias_attention` (a plan
+        with β, half precision on a GPU, :data:`FLEX_BIAS` on)."""
+        return self.plan.has_bias and FLEX_BIAS and flex_bias_supported(x)
+
+    def _folds(self, x: torch.Tensor) -> bool:
         """Whether β rides in extra head-dim columns (:func:`~compaction_gym.engine.attention.folded_bias_sdpa`):
-        a plan with β in a half-precision model."""
-        return self.plan.has_bias and dtype in (torch.bfloat16, torch.float16)
+        a plan with β in a half-precision model, where FlexAttention does not run."""
+        return self.plan.has_bias and x.dtype in (torch.bfloat16, torch.float16) and not self._flex(x)
 
     def _mask(self, b: _Bucket, dtype: torch.dtype, groups: int) -> torch.Tensor:
         """The bucket's additive mask ``[P, 1, G·n_q, W]`` (the same at every layer: built once)."""
@@ -491,9 +529,38 @@ class OnePassReplay:
             self._masks[key] = m[:, None].repeat(1, 1, groups, 1)
         return self._masks[key]
 
+    def _block_mask(self, b: _Bucket, groups: int) -> Any:
+        """The bucket's FlexAttention block mask (built once per plan)."""
+        if id(b) not in self._block_masks:
+            self._block_masks[id(b)] = position_block_mask(b.colpos, b.qpos, groups)
+        return self._block_masks[id(b)]
+
+    def _output_index(self, layout: tuple[tuple[int, int, int, int], ...]) -> torch.Tensor:
+        """For every token row and query head ``[B·N·H_q]``, its output row among the buckets' dense
+        rows laid end to end (then the zero row), for the buckets' row strides ``layout`` (per bucket
+        ``(rows, piece, head, query)``: the kernels choose their output layout, the same at every layer)."""
+        if layout not in self._out_index:
+            tok = self._tokens
+            counts = np.array([n for n, *_ in layout], np.int64)
+            base = np.concatenate([[0], np.cumsum(counts)])
+            sp, sh, sq = (np.array([s[i] for s in layout], np.int64) for i in (1, 2, 3))
+            nq = np.array([b.queries for b in self.buckets], np.int64)
+            H = self.n_kv_heads
+            G = self._q_heads // H
+            hq = np.arange(self._q_heads)
+            k = np.maximum(tok.bucket, 0)[:, None]
+            idx = (
+                base[k] + tok.piece[:, None] * sp[k] + (hq // G)[None] * sh[k]
+                + ((hq % G)[None] * nq[k] + tok.query[:, None]) * sq[k]
+            )  # fmt: skip
+            idx[tok.bucket < 0] = base[-1]
+            self._out_index[layout] = upload([torch.from_numpy(idx.reshape(-1))], self.device)[0]
+        return self._out_index[layout]
+
     def _fitted_values(self, layer: int, query: torch.Tensor, keys: torch.Tensor,
                        values: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
-        """Every fitted row's C2 at this layer, level by level: ``[H, rows_of_level, d_v]`` each."""
+        """Every fitted row's C2 at this layer, level by level: ``[H, rows_of_level, d_v]`` each
+        (``query``: the layer's query rows ``[B·N·H_q, d]``, token-major)."""
         if not self.groups:
             return []
         grad = self.through and torch.is_grad_enabled()
@@ -584,11 +651,9 @@ class OnePassReplay:
         H, d = keys.shape[0], keys.shape[-1]
         span_keys = _gather_events(keys, g.keys.at(layer, H), g.count)
         mask = g.probe_mask
-        if g.kind == "suffix":
-            groups = query.shape[1] // H
-            q4 = query.transpose(0, 1).reshape(H, groups, -1, d)  # index_select: its backward is an index_add
-            probes = q4.index_select(2, g.probe_idx.reshape(-1)).reshape(H, groups, g.count, g.n, d)
-            probes = probes.permute(2, 0, 1, 3, 4).reshape(g.count * H, groups * g.n, d)
+        if g.kind == "suffix":  # one row gather straight into the event-major layout [E·H, G·n, d]
+            groups = self._q_heads // H
+            probes = torch.nn.functional.embedding(g.probe_idx, query).reshape(g.count * H, groups * g.n, d)
             if mask is not None:
                 mask = mask[:, None, None, :].expand(-1, H, groups, -1).reshape(g.count * H, groups * g.n)
         else:
@@ -628,7 +693,7 @@ class OnePassReplay:
         """``M = (XᵀX + λI)⁻¹ (XᵀP + λS)`` in the compute dtype; returns ``M``, which problems factored,
         ``A⁻¹`` (float64) and ``κ = λ / tr(XᵀX)``.
 
-        Formed as ``M = Z·P + λ·A⁻¹S`` with ``Z = A⁻¹Xᵀ`` (``[t, n]``) solved in float64: only the
+        Formed as ``M = Z·P + λ·A⁻¹S`` with ``Z = A⁻¹Xᵀ`` (``[t, n]``; ``A⁻¹ = L⁻ᵀL⁻¹``) in float64: only the
         wide product ``Z·P`` is in the compute dtype. Not ``A⁻¹ (XᵀP)`` with ``XᵀP`` in float32:
         its rounding is not of the form ``Xᵀδ``, so ``A⁻¹`` amplifies it by ``cond(A)`` (~1e5 at
         the ridge) instead of ``‖Z‖ ≤ 1/(2√λ)`` as the segment replay's (and the rollout's)
@@ -637,11 +702,9 @@ class OnePassReplay:
         a, lam = normal_matrix(x64, g.ridge, g.probe_counts)
         t = a.shape[-1]
         chol, info = torch.linalg.cholesky_ex(a)
-        eye = torch.eye(t, dtype=a.dtype, device=a.device).expand(a.shape[0], -1, -1)
-        sol, finite = factor_solve(chol, torch.cat([x64.mT, eye], -1))  # [A⁻¹Xᵀ | A⁻¹], float64
-        m = torch.bmm(sol[..., :-t].to(attn.dtype), attn)  # Z·P [E·H, t, w]
+        a_inv, finite = factor_inverse(chol)  # float64
+        m = torch.bmm((a_inv @ x64.mT).to(attn.dtype), attn)  # Z·P [E·H, t, w]
         kept = g.kept[layer][:, None, :].expand(-1, t, -1)  # λ·A⁻¹S: column j of λA⁻¹ at kept_j
-        a_inv = sol[..., -t:]
         m.scatter_add_(2, kept, (lam[:, None, None] * a_inv).to(m.dtype))
         trace = torch.diagonal(a, dim1=-2, dim2=-1).sum(-1) - lam * t  # tr(XᵀX)
         kappa = torch.where(trace > 0, lam / trace, torch.zeros_like(lam))
@@ -792,6 +855,18 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Ten
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
     flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
     return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(blocks, H, -1, x.shape[-1])
+
+
+def _dense_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """``x`` ``[P, H, Q, D]`` as rows ``[P·H·Q, D]`` in memory order — a view where ``x`` is a
+    permutation of a contiguous tensor, as attention kernels return it — and the row strides
+    ``(rows, piece, head, query)`` that find a row."""
+    D = x.shape[-1]
+    order = sorted(range(3), key=lambda i: -x.stride(i))
+    if x.stride(-1) != 1 or not x.permute(*order, 3).is_contiguous():
+        x, order = x.contiguous(), [0, 1, 2]
+    rows = x.permute(*order, 3).reshape(-1, D)
+    return rows, (rows.shape[0], x.stride(0) // D, x.stride(1) // D, x.stride(2) // D)
 
 
 def _gather_events(x: torch.Tensor, idx: torch.Tensor, events: int) -> torch.Tensor:

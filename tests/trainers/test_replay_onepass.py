@@ -177,13 +177,13 @@ def test_a_failed_solve_falls_back_to_the_segments(engine, model, monkeypatch, c
     has the pseudo-inverse fallback), found once after the forward."""
     import compaction_gym.trainers.replay_onepass as onepass
 
-    real = onepass.factor_solve
+    real = onepass.factor_inverse
 
-    def failing(chol, rhs):
-        sol, finite = real(chol, rhs)
-        return sol, finite & False
+    def failing(chol):
+        inv, finite = real(chol)
+        return inv, finite & False
 
-    monkeypatch.setattr(onepass, "factor_solve", failing)
+    monkeypatch.setattr(onepass, "factor_inverse", failing)
     view = plain_session(engine, config("attention_matching", "kv_budget"), seed=18, turns=3)
     with caplog.at_level("WARNING"):
         lp = replay_logprobs(model, view, method="one_pass")
@@ -233,18 +233,19 @@ def test_beta_columns_added_once_per_layer_equal_folding_each_bucket(engine, mod
             H, pieces, -1, x.shape[-1]
         ).transpose(0, 1)
 
-    def per_bucket(self, b, layer, flat_q, key_rows, value_rows, scaling):
-        H, Hq, d = key_rows.shape[0], flat_q.shape[1], flat_q.shape[2]
+    def per_bucket(self, b, layer, q_rows, key_rows, value_rows, scaling):
+        H, Hq, d = key_rows.shape[0], self._q_heads, q_rows.shape[-1]
         kp = rows(key_rows, b.keys.at(layer, H), b.pieces)
         vp = rows(value_rows, b.values.at(layer, H), b.pieces)
+        flat_q = q_rows.reshape(-1, Hq, d)
         qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
-        mask = self._mask(b, flat_q.dtype, Hq // H)
+        mask = self._mask(b, q_rows.dtype, Hq // H)
         if b.bias is None:
             out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling)
         else:
             bias = b.bias.at(layer, H).expand(H, -1).reshape(H, b.pieces, b.width).transpose(0, 1)
             out = folded_bias_sdpa(qp, kp, vp, bias, mask, scaling=scaling)
-        return out.reshape(b.pieces * b.queries, Hq, -1)
+        return out.transpose(1, 2).reshape(b.pieces, H, -1, out.shape[-1])  # grouped by KV head
 
     def run():
         half.zero_grad(set_to_none=True)
@@ -254,7 +255,7 @@ def test_beta_columns_added_once_per_layer_equal_folding_each_bucket(engine, mod
         return [lp.detach() for lp in out.logprobs], {n: p.grad for n, p in half.named_parameters()}
 
     new, new_grads = run()
-    monkeypatch.setattr(rop.OnePassReplay, "_folds", lambda self, dtype: False)
+    monkeypatch.setattr(rop.OnePassReplay, "_folds", lambda self, x: False)
     monkeypatch.setattr(rop.OnePassReplay, "_bucket_attention", per_bucket)
     ref, ref_grads = run()
     for x, y in zip(new, ref):
@@ -354,3 +355,88 @@ def test_value_maps_round_as_the_least_squares_problem(seed, shape, rank, noise,
     bound = 4 * torch.finfo(torch.float32).eps * amplification * torch.linalg.matrix_norm(p64 @ v64, 2)
     error = (m.double() @ v64 - exact).abs().amax((1, 2))
     assert (error <= bound).all(), (error / bound).max().item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    order=st.permutations([0, 1, 2]),
+    shape=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4)),
+    strided=st.booleans(),
+)
+def test_dense_rows_find_every_row(order, shape, strided):
+    """The rows of an attention output ``[P, H, Q, D]`` in whatever memory order a kernel laid it out
+    (a permutation of a contiguous tensor, or a strided view that must be copied) are found at
+    ``piece·s_p + head·s_h + query·s_q`` (brute force over every index)."""
+    from compaction_gym.trainers.replay_onepass import _dense_rows
+
+    P, H, Q, D = shape
+    base = torch.arange(P * H * Q * D * 2, dtype=torch.float64)
+    physical = [shape[i] for i in order] + [D * (2 if strided else 1)]
+    x = base[: int(torch.tensor(physical).prod())].reshape(physical)[..., :D]
+    x = x.permute(*[order.index(i) for i in range(3)], 3)
+    assert x.shape == (P, H, Q, D)
+    rows, (n, sp, sh, sq) = _dense_rows(x)
+    assert n == rows.shape[0] == P * H * Q and rows.shape[1] == D
+    for p in range(P):
+        for h in range(H):
+            for q in range(Q):
+                assert torch.equal(rows[p * sp + h * sh + q * sq], x[p, h, q])
+
+
+@pytest.mark.parametrize("layout", [(0, 2, 1, 3), (2, 1, 0, 3)])
+def test_attention_output_layout_does_not_change_the_replay(engine, model, monkeypatch, layout):
+    """Attention kernels return their output in their own memory layout (cuDNN and flash: token-major);
+    one pass reads the rows wherever they lie: log-probabilities and gradients equal those from a
+    contiguous output, β on, several events."""
+    import compaction_gym.trainers.replay_onepass as onepass
+
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=s, turns=4) for s in (5, 6)]
+    assert all(len(v.events) >= 2 for v in views)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = replay_logprobs_batch(model, views, method="one_pass", grad=True)
+        torch.stack([lp.sum() for lp in out.logprobs]).sum().backward()
+        return [lp.detach() for lp in out.logprobs], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref, ref_grads = run()
+    real = onepass.grouped_sdpa_heads
+    inverse = [layout.index(i) for i in range(4)]
+
+    def relaid(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.permute(*layout).contiguous().permute(*inverse)
+
+    monkeypatch.setattr(onepass, "grouped_sdpa_heads", relaid)
+    got, grads = run()
+    for x, y in zip(got, ref):
+        assert torch.equal(x, y)
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+
+
+def test_a_failing_flex_kernel_falls_back_once(engine, model, monkeypatch, caplog):
+    """Where FlexAttention would run but fails to compile, the layer's β buckets take the float32
+    path, the failure is logged once and later layers fold β into head-dim columns: log-probabilities
+    within bf16 noise of the folded path (bf16, β, several events)."""
+    import copy
+
+    import compaction_gym.engine.fast.flex as flex
+    import compaction_gym.trainers.replay_onepass as onepass
+
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=s, turns=4) for s in (7, 8)]
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    folded = replay_logprobs_batch(half, views, method="one_pass")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(flex, "_failure", None)
+    monkeypatch.setattr(flex, "_compiled", broken)
+    monkeypatch.setattr(onepass, "flex_bias_supported", lambda x: flex._failure is None)
+    with caplog.at_level("WARNING"):
+        got = replay_logprobs_batch(half, views, method="one_pass")
+    assert flex._failure == "RuntimeError: no compiler here"
+    assert caplog.text.count("FlexAttention failed") == 1
+    for x, y in zip(got.logprobs, folded.logprobs):
+        assert torch.isfinite(x).all() and (x.float() - y.float()).abs().max().item() < 0.1

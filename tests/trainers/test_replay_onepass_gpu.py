@@ -123,3 +123,46 @@ def test_kept_plans_on_the_gpu(tiny_model_path):
         for x, y in zip(kept.logprobs, fresh.logprobs):
             assert (x.detach() - y.detach()).abs().max().item() < 1e-5
     assert cache.stats.device_plans_reused == 1 and cache.stats.simulations_built == len(views)
+
+
+@pytest.mark.gpu
+def test_flex_beta_equals_folded_beta_on_the_gpu(tiny_model_path, monkeypatch):
+    """bf16 with β, several events per episode, two sessions batched: FlexAttention's buckets (β added
+    to the float32 scores) and the folded head-dim columns give the same log-probabilities and
+    gradients to bf16 rounding, and FlexAttention's are at least as close to float64."""
+    from transformers import AutoModelForCausalLM
+
+    import compaction_gym.trainers.replay_onepass as onepass
+    from compaction_gym.engine import Engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.bfloat16, device="cuda", max_slots=2, capacity=1024
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).cuda().eval()
+    views = [plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=s, turns=5)
+             for s in (3, 4)]  # fmt: skip
+    assert all(len(v.events) >= 2 for v in views)
+    calls = []
+    real = onepass.key_bias_attention
+    monkeypatch.setattr(onepass, "key_bias_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    flex = replay_logprobs_batch(model, views, method="one_pass", temperature=1.5)
+    flex_grads = _grads(model, views, method="one_pass", temperature=1.5)
+    assert calls
+    monkeypatch.setattr(onepass, "FLEX_BIAS", False)
+    calls.clear()
+    folded = replay_logprobs_batch(model, views, method="one_pass", temperature=1.5)
+    folded_grads = _grads(model, views, method="one_pass", temperature=1.5)
+    assert not calls
+    model64 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64).cuda().eval()
+    exact = replay_logprobs_batch(model64, views, method="one_pass", temperature=1.5)
+    for a, b, e, v in zip(flex.logprobs, folded.logprobs, exact.logprobs, views):
+        mask = torch.tensor(v.completion_mask, dtype=torch.bool, device=a.device)
+        err_flex = (a.double() - e)[mask].abs().max().item()
+        err_fold = (b.double() - e)[mask].abs().max().item()
+        assert (a - b)[mask].abs().max().item() < 0.1
+        assert err_flex <= 1.5 * err_fold + 1e-3, (err_flex, err_fold)
+    for name in flex_grads:
+        scale = folded_grads[name].abs().max().clamp_min(1e-12)
+        assert ((flex_grads[name] - folded_grads[name]).abs().max() / scale).item() < 5e-2, name
