@@ -338,7 +338,18 @@ def main_batch(args, model) -> int:
     headers = ["method", "max |Δ|", "KL k3", "fwd s", "fwd ratio"]
     if args.grad:
         headers += ["fwd+bwd s", "fwd+bwd ratio"]
-    print_table([*headers, "peak GiB"], measure_batch(model, views, args))
+    rows = measure_batch(model, views, args)
+    print_table([*headers, "peak GiB"], rows)
+    by = {r[0]: r for r in rows}
+    if args.grad and {"one_pass", "one_pass_reused"} <= by.keys():
+        # a GRPO step's replay: the reference / old log-prob forward builds the plan, the policy's
+        # forward + backward keeps it (docs/grpo.md, "The plan, and keeping it across passes")
+        step = by["one_pass"][3] + by["one_pass_reused"][5]
+        plain = by["plain"][3] + by["plain"][5]
+        print(
+            f"\nGRPO step (one_pass fwd + one_pass_reused fwd+bwd): {step:.3f} s against plain fwd + fwd+bwd "
+            f"{plain:.3f} s: {step / plain:.2f}×"
+        )
     if "one_pass" in args.methods or "one_pass_reused" in args.methods:
         host, dev, reused = plan_build_times(model, views, args)
         print(
