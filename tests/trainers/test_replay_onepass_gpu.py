@@ -150,6 +150,10 @@ def test_flex_beta_equals_folded_beta_on_the_gpu(tiny_model_path, monkeypatch):
     flex = replay_logprobs_batch(model, views, method="one_pass", temperature=1.5)
     flex_grads = _grads(model, views, method="one_pass", temperature=1.5)
     assert calls
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as a trainer's mixed precision runs it
+        under_autocast = replay_logprobs_batch(model, views, method="one_pass", temperature=1.5)
+    for a, b in zip(flex.logprobs, under_autocast.logprobs):
+        assert (a.float() - b.float()).abs().max().item() < 0.1
     monkeypatch.setattr(onepass, "FLEX_BIAS", False)
     calls.clear()
     folded = replay_logprobs_batch(model, views, method="one_pass", temperature=1.5)

@@ -123,8 +123,9 @@ def key_bias_attention(
     def add_bias(score: Any, b: Any, h: Any, q: Any, k: Any) -> Any:
         return score + bias[b, h, k]
 
-    try:
-        return _compiled(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling)
+    try:  # the inputs are already half precision: a trainer's autocast has nothing to cast
+        with torch.autocast(query.device.type, enabled=False):
+            return _compiled(query, key, value, score_mod=add_bias, block_mask=block_mask, scale=scaling)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compiler or Triton failure: not retried in this process
