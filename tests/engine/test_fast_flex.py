@@ -83,19 +83,32 @@ def test_not_supported_off_the_gpu():
     block=st.sampled_from([16, 128]),
 )
 def test_position_block_mask_equals_create_block_mask(seed, shape, block):
-    """The tiles built from the positions' extremes are exactly ``create_block_mask``'s (the dense
-    evaluation of the same rule): which tiles are skipped, partial and full, and the element mask."""
+    """The padded rule is the real one where it is real, never shows padding keys and leaves no query
+    row fully masked; its tiles, built from the positions' extremes, are exactly ``create_block_mask``'s
+    (the dense evaluation of the same rule): which tiles are skipped, partial and full, and the
+    element mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     P, G, n, W = shape
     n = min(n, W - 1)
     _, _, _, _, colpos, qpos = problem(seed, P, 1, G, n, W, 8, torch.float32)
 
-    def allowed(b, h, q, k):
-        return colpos[b, k] <= qpos[b, q % n]
+    mask = position_block_mask(colpos, qpos, G, block=block)
+    Pp, Qp, Wp = mask.colpos.shape[0], mask.qpos.shape[1], mask.colpos.shape[1]
+    assert Pp >= max(P, 2) and Qp > block and Wp > block  # no size dynamo would specialise
+    dense = mask.colpos[:, None, :] <= mask.qpos[:, :, None]  # [P', Q', W']
+    want = colpos[:, None, :] <= qpos.repeat(1, G)[:, :, None]
+    assert torch.equal(dense[:P, : G * n, :W], want)  # the real rule where it is real ...
+    assert not dense[:P, :, W:].any()  # ... padding keys never seen ...
+    real_cols = colpos < torch.iinfo(torch.int64).max
+    assert torch.equal(dense[:P, G * n :, :W], real_cols[:, None, :].expand(-1, Qp - G * n, -1))  # padded queries
+    assert dense.any(-1).all()  # ... and no query row fully masked (padded pieces see column 0)
 
-    ref = create_block_mask(allowed, P, None, G * n, W, device="cpu", BLOCK_SIZE=block)
-    got = position_block_mask(colpos, qpos, G, block=block)
+    def padded(b, h, q, k):
+        return mask.colpos[b, k] <= mask.qpos[b, q]
+
+    ref = create_block_mask(padded, Pp, None, Qp, Wp, device="cpu", BLOCK_SIZE=block)
+    got = mask.block_mask
     assert got.shape == ref.shape
     for nums, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
         a_num, b_num = getattr(got, nums), getattr(ref, nums)
@@ -106,3 +119,33 @@ def test_position_block_mask_equals_create_block_mask(seed, shape, block):
                 k = int(a_num[p, 0, t])
                 assert sorted(a_idx[p, 0, t, :k].tolist()) == sorted(b_idx[p, 0, t, :k].tolist())
     assert torch.equal(got.to_dense(), ref.to_dense())
+
+
+@pytest.mark.gpu
+def test_new_bucket_shapes_do_not_recompile():
+    """A GRPO batch's buckets change shape every step: after the first shapes, twelve more (pieces,
+    queries, widths — single pieces, fewer than 128 queries or keys included — forward and backward)
+    compile nothing new — a static compile would hit
+    dynamo's recompile limit and fall back to the unfused kernel, ~60× slower."""
+    from torch._dynamo.utils import counters
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import compaction_gym.engine.fast.flex as flex
+
+    def run(P, n, W, seed):
+        q, k, v, bias, colpos, qpos = (x.cuda() for x in problem(seed, P, 2, 2, n, W, 64, torch.bfloat16))
+        q.requires_grad_()
+        out = key_bias_attention(q, k, v, bias, position_block_mask(colpos, qpos, 2), scaling=0.125)
+        out.float().sum().backward()
+
+    # first shapes: every combination of query / key lengths divisible by the kernel's block or not
+    for i, (P, n, W) in enumerate([(5, 64, 256), (7, 90, 410), (4, 64, 300), (6, 45, 256)]):
+        run(P, n, W, i)
+    before = counters["stats"]["unique_graphs"]
+    for i, (P, n, W) in enumerate([(3, 17, 140), (9, 129, 520), (1, 5, 60), (4, 200, 333), (12, 40, 90),
+                                   (2, 256, 700), (6, 33, 257), (1, 64, 128), (8, 101, 384), (5, 7, 64),
+                                   (10, 77, 199), (3, 150, 611)]):  # fmt: skip
+        run(P, n, W, 10 + i)
+    assert counters["stats"]["unique_graphs"] == before
+    assert flex._failure is None
