@@ -208,7 +208,6 @@ class _Bucket:
     bias: _Rows | None  # [L, H, P·W] float32
     colpos: torch.Tensor  # [P, W] each column's token (-1: the snapshot's rows, a large value: padding)
     qpos: torch.Tensor  # [P, n_q] each query's token (padding queries: see every real column)
-    qrows: torch.Tensor  # [P, n_q] token rows
     qidx: torch.Tensor  # [P·H_q·n_q] rows of the layer's queries [B·N·H_q, d], grouped by KV head
 
 
@@ -451,7 +450,7 @@ class OnePassReplay:
                                         bias=plan.has_bias, attention=True)  # fmt: skip
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
-            colpos=stage(colpos), qpos=stage(qpos), qrows=stage(qrows),
+            colpos=stage(colpos), qpos=stage(qpos),
             qidx=stage((qrows[:, None, :] * self._q_heads + np.arange(self._q_heads)[None, :, None]).reshape(-1)),
         )  # fmt: skip
 

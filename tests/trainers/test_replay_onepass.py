@@ -237,8 +237,7 @@ def test_beta_columns_added_once_per_layer_equal_folding_each_bucket(engine, mod
         H, Hq, d = key_rows.shape[0], self._q_heads, q_rows.shape[-1]
         kp = rows(key_rows, b.keys.at(layer, H), b.pieces)
         vp = rows(value_rows, b.values.at(layer, H), b.pieces)
-        flat_q = q_rows.reshape(-1, Hq, d)
-        qp = flat_q.index_select(0, b.qrows.reshape(-1)).reshape(b.pieces, b.queries, Hq, d).transpose(1, 2)
+        qp = q_rows.index_select(0, b.qidx).reshape(b.pieces, Hq, b.queries, d)  # [P, H_q, n_q, d]
         mask = self._mask(b, q_rows.dtype, Hq // H)
         if b.bias is None:
             out = grouped_sdpa(qp, kp, vp, mask, scaling=scaling)

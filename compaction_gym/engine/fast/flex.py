@@ -68,9 +68,6 @@ class PositionMask:
     block_mask: BlockMask
     colpos: torch.Tensor  # [P', W'] padded columns never allowed; padded pieces see column 0
     qpos: torch.Tensor  # [P', Q'] per query (grouped by KV head); padded queries see every real column
-    pieces: int
-    queries: int
-    width: int
 
 
 def position_block_mask(colpos: torch.Tensor, qpos: torch.Tensor, groups: int, block: int = BLOCK) -> PositionMask:
@@ -116,7 +113,7 @@ def position_block_mask(colpos: torch.Tensor, qpos: torch.Tensor, groups: int, b
     block_mask = BlockMask.from_kv_blocks(
         *listed(partial), *listed(full), BLOCK_SIZE=block, mask_mod=allowed, seq_lengths=(Q, W)
     )
-    return PositionMask(block_mask, cols, qp, pieces, queries, width)
+    return PositionMask(block_mask, cols, qp)
 
 
 def key_bias_attention(
