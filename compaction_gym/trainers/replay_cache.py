@@ -59,7 +59,7 @@ class ReplayPlanCache:
 
     Args:
         max_trajectories: simulations kept (least recently used dropped first); host memory only,
-            about 5.5 MB for a trajectory of 3.6k tokens and 22 events at 28 layers × 8 KV heads.
+            about 2 MB for a trajectory of 3.6k tokens and 23 events at 28 layers × 8 KV heads.
         max_device_plans: device plans kept (their index tensors live on the model's device, tens of
             MB for a batch of 8 × 3.6k tokens at 28 layers × 8 KV heads); 0 keeps none.
 

@@ -57,28 +57,32 @@ TF32_BACKWARD = True
 
 @dataclass
 class _Rows:
-    """Indices (or biases) ``[L, H, n]`` stored as one row every (layer, KV head) shares plus
-    per-(layer, head) values at a few columns: raw rows are shared, a block's rows are not."""
+    """Indices (or biases) ``[L, H, n]`` stored as one row every (layer, KV head) shares plus, at a
+    few columns, per-(layer, head) values read from a slot table: raw rows are shared, a block's
+    rows are not (:class:`~compaction_gym.trainers.replay_plan.SlotTable`)."""
 
     base: torch.Tensor  # [n]
     cols: torch.Tensor  # [k]
-    vals: torch.Tensor | None  # [L, H, k], None when k = 0
+    slots: torch.Tensor | None  # [k] the columns' slots in ``table``; None when k = 0
+    table: torch.Tensor | None  # [L, H, S] the plan's slots (shared by every _Rows of that kind)
+    add: int = 0  # added to what the table holds
 
     @classmethod
-    def of(cls, base: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, stage: _Stage, n_layers: int,
-           n_kv_heads: int) -> _Rows:  # fmt: skip
-        """From host arrays (staged for the device): ``base`` ``[n]``, per head ``vals`` ``[L·H, k]``
-        at columns ``cols``."""
+    def of(cls, base: np.ndarray, cols: np.ndarray, slots: np.ndarray, table: Any, stage: _Stage,
+           add: int = 0) -> _Rows:  # fmt: skip
+        """From host arrays (staged for the device): ``base`` ``[n]``, and at columns ``cols`` the
+        table's slots ``slots`` (plus ``add``)."""
         if not cols.size:
-            return cls(stage(base), stage(np.zeros(0, np.int64)), None)
-        return cls(stage(base), stage(cols), stage(vals, lambda v: v.reshape(n_layers, n_kv_heads, -1)))
+            return cls(stage(base), stage(np.zeros(0, np.int64)), None, None)
+        return cls(stage(base), stage(cols), stage(slots), table, add)
 
     def at(self, layer: int, heads: int) -> torch.Tensor:
         """``[H, n]`` at ``layer`` (``[1, n]`` when every head shares the row)."""
-        if self.vals is None:
+        if self.slots is None:
             return self.base[None]
         out = self.base.expand(heads, -1).clone()
-        out[:, self.cols] = self.vals[layer]
+        vals = self.table[layer].index_select(1, self.slots).to(out.dtype)
+        out[:, self.cols] = vals + self.add if self.add else vals
         return out
 
 
@@ -120,7 +124,7 @@ def _resolve(x: Any) -> Any:
     """``x`` with every :class:`_Staged` inside (dataclass fields, dicts, tuples, lists) replaced by its tensor."""
     if isinstance(x, _Staged):
         return x.value
-    if isinstance(x, (_Rows, _Group, _Bucket)):
+    if isinstance(x, (_Rows, _Group, _Bucket, _Tokens)):
         for f in fields(x):
             setattr(x, f.name, _resolve(getattr(x, f.name)))
         return x
@@ -140,35 +144,44 @@ class _Stack:
     vcol: np.ndarray  # [n] value source; PER_HEAD on padding
     row: np.ndarray  # [n] each column's trajectory
     blocks: np.ndarray  # [k] the block rows' columns
-    snaps: list[Snapshot]
-
-    def per_head(self, name: str, cols: np.ndarray | None = None) -> np.ndarray:
-        """Snapshot field ``name`` (``bk``, ``bv``, ``bb``) ``[LH, k]`` of every block row (or of the
-        block rows ``cols``, indices into ``blocks``): concatenated only where asked (they are large)."""
-        out = np.concatenate([getattr(s, name) for s in self.snaps], 1)
-        return out if cols is None else out[:, cols]
+    slots: np.ndarray  # [k] the block rows' slots in their trajectory's table
 
     @classmethod
-    def of(cls, rows: list[int], snaps: list[Snapshot], own: list[np.ndarray] | None = None,
-           pads: list[int] | None = None) -> _Stack:  # fmt: skip
-        kc, vc, lengths = [], [], []
-        pad_k, pad_v = np.full(max(pads or [0]), -2, np.int64), np.full(max(pads or [0]), PER_HEAD, np.int64)
+    def of(cls, rows: list[int], snaps: list[Snapshot], pads: list[int] | None = None) -> _Stack:
+        """Snapshots end to end, each followed by ``pads`` padding columns."""
+        kc, vc, sc, lengths = [], [], [], []
+        most = max(pads or [0])
+        pad_k, pad_v, pad_s = np.full(most, -2, np.int64), np.full(most, PER_HEAD, np.int64), np.full(most, -1, np.int64)
         for j, snap in enumerate(snaps):
             kc.append(snap.kcol)
             vc.append(snap.vcol)
+            sc.append(snap.slot)
             n = snap.length
-            if own is not None:
-                kc.append(own[j])
-                vc.append(own[j])
-                n += own[j].size
             if pads is not None and pads[j]:
                 kc.append(pad_k[: pads[j]])
                 vc.append(pad_v[: pads[j]])
+                sc.append(pad_s[: pads[j]])
                 n += pads[j]
             lengths.append(n)
         kcol = np.concatenate(kc)
         blocks = np.flatnonzero(kcol == -1)
-        return cls(kcol, np.concatenate(vc), np.repeat(np.asarray(rows, np.int64), lengths), blocks, snaps)
+        row = np.repeat(np.asarray(rows, np.int64), lengths)
+        return cls(kcol, np.concatenate(vc), row, blocks, np.concatenate(sc)[blocks])
+
+    @classmethod
+    def pieces(cls, rows: np.ndarray, snaps: list[Snapshot], in_snap: np.ndarray, own: np.ndarray,
+               token: np.ndarray) -> _Stack:  # fmt: skip
+        """A bucket's ``[P, W]`` columns: where ``in_snap``, piece ``p``'s snapshot's rows in order;
+        where ``own``, its own token ``token``; padding elsewhere."""
+        kcol = np.where(own, token, -2)
+        vcol = np.where(own, token, PER_HEAD)
+        slot = np.full(kcol.shape, -1, np.int64)
+        kcol[in_snap] = np.concatenate([s.kcol for s in snaps])  # row-major: snapshot after snapshot
+        vcol[in_snap] = np.concatenate([s.vcol for s in snaps])
+        slot[in_snap] = np.concatenate([s.slot for s in snaps])
+        kcol, vcol, slot = kcol.reshape(-1), vcol.reshape(-1), slot.reshape(-1)
+        blocks = np.flatnonzero(kcol == -1)
+        return cls(kcol, vcol, np.repeat(rows, in_snap.shape[1]), blocks, slot[blocks])
 
 
 @dataclass
@@ -184,7 +197,7 @@ class _Group:
     keys: _Rows  # [L, H, E·w] the span's key rows
     bias: _Rows | None  # [L, H, E·w] the span's bias
     kept: torch.Tensor  # [L, E·H, t]
-    beta: torch.Tensor | None  # [L, E·H, t]
+    beta_slots: torch.Tensor | None  # [E·t] the slots of the events' kept rows (their recorded β)
     raw_idx: torch.Tensor  # [E·w] the span's raw value rows (fitted columns: 0)
     raw_mask: torch.Tensor  # [E, 1, 1, w] bool
     probe_idx: torch.Tensor | _Rows | None  # suffix: [E·H·G·n] query rows; keys: [L, H, E·n] key rows
@@ -213,11 +226,12 @@ class _Bucket:
 
 @dataclass
 class _Tokens:
-    """Per token row of the batch: its bucket (-1: padding), its piece in it and its query index."""
+    """Per token row of the batch ``[B·N]``: its bucket (-1: padding), its piece in it and its query
+    index (staged, then on the device)."""
 
-    bucket: np.ndarray
-    piece: np.ndarray
-    query: np.ndarray
+    bucket: Any
+    piece: Any
+    query: Any
 
 
 class OnePassReplay:
@@ -238,11 +252,14 @@ class OnePassReplay:
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
         self._stage = stage = _Stage(device)
         self._layout_fits()
+        self._stage_tables()
         self.groups = [self._group(fs, head_dim, probe_dtype) for fs in self._members]
         self._build_buckets()
         stage.send()
-        self.groups, self.buckets = _resolve((self.groups, self.buckets))
-        del self._stage
+        self._join_tables()
+        self._bias_table = self._tables["b"].value  # [L, H, S]
+        self.groups, self.buckets, self._tokens = _resolve((self.groups, self.buckets, self._tokens))
+        del self._stage, self._tables, self._value_tables
 
     def reset(self) -> None:
         """Forget the last pass's state (its masks, its solves' flags) before a kept plan serves another."""
@@ -268,27 +285,64 @@ class OnePassReplay:
               attention: bool = False) -> tuple[_Rows, _Rows | None, _Rows | None]:  # fmt: skip
         """The stack's key rows (and value rows, biases); ``attention``: rows the attention reads
         (its block keys and kept values are the detached copy when gradients stop at the blocks)."""
-        stage, L, H = self._stage, self.n_layers, self.n_kv_heads
-        brow = st.row[st.blocks]
-        key_vals = st.per_head("bk")
-        key_vals += (brow * self.width + (self.rows if attention and not self.through else 0))[None]
+        stage = self._stage
+        slots = st.slots + self._slot_offsets[st.row[st.blocks]]  # the batch's slots
         keys = _Rows.of(
-            np.where(st.kcol >= 0, st.row * self.width + st.kcol, 0), st.blocks, key_vals, stage, L, H
-        )
+            np.where(st.kcol >= 0, st.row * self.width + st.kcol, 0), st.blocks, slots, self._tables["k"], stage,
+            add=self.rows if attention and not self.through else 0,
+        )  # fmt: skip
         vals = None
         if values:
             varies = np.flatnonzero(st.vcol[st.blocks] == PER_HEAD)
             kept = attention & (st.kcol == -1)  # a kept (not refitted) value is the block's own copy
-            per_head = (
-                self._value_rows(brow[varies], st.per_head("bv", varies), attention) if varies.size else None
-            )
-            vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], per_head, stage, L, H)
+            table = self._value_table(attention) if varies.size else None
+            vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], slots[varies], table, stage)
         b = (
-            _Rows.of(np.zeros(st.kcol.shape, np.float32), st.blocks, st.per_head("bb"), stage, L, H)
+            _Rows.of(np.zeros(st.kcol.shape, np.float32), st.blocks, slots, self._tables["b"], stage)
             if bias
             else None
         )
         return keys, vals, b
+
+    def _stage_tables(self) -> None:
+        """Stage the plan's slot tables (key tokens and biases; value sources on demand,
+        :meth:`_value_table`): laid end to end they are the batch's slots, joined on the device
+        (:meth:`_join_tables`)."""
+        sizes = np.array([t.n for t in self.plan.tables], np.int64)
+        self._slot_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._slot_row = np.repeat(np.arange(len(sizes)), sizes)  # each slot's trajectory
+        self._table_parts = {
+            "k": [(self._stage(t.k), 0) for t in self.plan.tables],
+            "b": [(None if c is None else self._stage(c), w) for t in self.plan.tables for c, w in zip(t.chunks, t.widths)],
+        }  # (part, width): a bias chunk of None is zeros
+        # a key slot holds a token; its key row is row·width + token (int32: rows < 2**31)
+        self._key_offsets = self._stage((self._slot_row * self.width).astype(np.int32))
+        self._tables = {name: _Staged(None, None) for name in "kb"}  # set by _join_tables
+        self._value_tables: dict[bool, Any] = {}
+
+    def _join_tables(self) -> None:
+        """The uploaded tables joined: ``[L, H, S]`` key rows (int32) and biases (float32)."""
+        L, H = self.n_layers, self.n_kv_heads
+        for name, parts in self._table_parts.items():
+            dtype = torch.int32 if name == "k" else torch.float32
+            zero = partial(torch.zeros, L * H, dtype=dtype, device=self.device)
+            x = torch.cat([zero(0), *(zero(w) if p is None else p.value for p, w in parts)], 1)
+            if name == "k":
+                x += self._key_offsets.value
+            self._tables[name].value = x.reshape(L, H, -1)
+        del self._table_parts, self._key_offsets
+
+    def _value_table(self, attention: bool) -> Any:
+        """The batch's value slots as value rows (:meth:`_value_rows`), staged."""
+        if attention not in self._value_tables:
+            v = np.concatenate(
+                [np.broadcast_to(t.shared, t.k.shape) if t.per_head is None else t.per_head for t in self.plan.tables], 1
+            )
+            rows = self._value_rows(self._slot_row[None], v, attention)
+            self._value_tables[attention] = self._stage(
+                rows, lambda r: r.reshape(self.n_layers, self.n_kv_heads, -1)
+            )
+        return self._value_tables[attention]
 
     def _layout_fits(self) -> None:
         """Group the fits and place every fitted row: level by level, group by group, so that a
@@ -329,7 +383,7 @@ class OnePassReplay:
         kind = fs[0].probe[0]
         n = max(f.n_probes for f in fs)
         span = _Stack.of([f.row for f in fs], [f.span for f in fs])
-        has_bias = any(np.any(f.span.bb != 0) for f in fs)
+        has_bias = any(f.span.has_bias for f in fs)
         keys, _, bias = self._rows(span, bias=has_bias)
 
         def per_eh(a: list[np.ndarray], dtype: type, to: torch.dtype) -> Any:  # [E, LH, t] -> [L, E·H, t]
@@ -341,7 +395,8 @@ class OnePassReplay:
         g = _Group(
             width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E, keys=keys, bias=bias,
             kept=per_eh([f.kept for f in fs], np.int16 if w < 2**15 else np.int64, torch.long),  # 1/4 of the copy
-            beta=per_eh([f.beta for f in fs], np.float32, torch.float32) if fs[0].beta is not None else None,
+            beta_slots=stage(np.concatenate([self._slot_offsets[f.row] + np.arange(f.slot, f.slot + t) for f in fs]))
+            if fs[0].beta is not None else None,
             raw_idx=stage(raw_rows), raw_mask=stage((vcol >= 0).reshape(E, 1, 1, w)),
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
         )  # fmt: skip
@@ -350,14 +405,16 @@ class OnePassReplay:
             g.probe_mask = stage(np.arange(n)[None, :] < counts[:, None])
         groups = self._q_heads // H if kind == "suffix" else 1
         g.probe_counts = stage(np.repeat(counts * groups, H))
-        fitted = [np.flatnonzero(f.span.vcol < 0) for f in fs]
-        width = max(len(c) for c in fitted)
+        # per event, its span's columns holding fitted rows (ascending, padded with column 0)
+        fitted = vcol.reshape(E, w) < 0
+        found = fitted.sum(1)
+        width = int(found.max()) if E else 0
+        cols = valid = None
         if width:
-            cols = np.zeros((E, width), np.int64)
-            for e, c in enumerate(fitted):
-                cols[e, : len(c)] = c
+            cols = np.argsort(~fitted, axis=1, kind="stable")[:, :width]
+            valid = np.arange(width)[None, :] < found[:, None]
+            cols[~valid] = 0
             g.fit_cols = stage(cols, lambda c: c.repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1))
-            valid = np.arange(width)[None, :] < np.array([len(c) for c in fitted])[:, None]
             g.fit_valid = stage(valid.reshape(E, 1, 1, width))
         if kind == "suffix":
             rows = np.zeros((E, n), np.int64)
@@ -365,8 +422,8 @@ class OnePassReplay:
                 a, b = f.probe[1], f.probe[2]
                 rows[e, : b - a] = f.row * self.width + np.arange(a, b)
             # query rows [B·N·H_q, d]: probe j of event e at KV head h, group member g is head h·G + g
-            heads = np.arange(self._q_heads).reshape(1, H, -1, 1)
-            g.probe_idx = stage((rows[:, None, None, :] * self._q_heads + heads).reshape(-1))
+            # (expanded on the device: E·H_q·n indices)
+            g.probe_idx = stage(rows, partial(_head_rows, heads=self._q_heads))
         elif kind == "keys":
             probe = _Stack.of(
                 [f.row for f in fs], [f.probe[1] for f in fs], pads=[n - f.n_probes for f in fs]
@@ -378,33 +435,36 @@ class OnePassReplay:
                 p = random_probe_tensor(f, L, H, head_dim, probe_dtype, dev)
                 probes[:, e, :, : p.shape[1]] = p.reshape(L, H, p.shape[1], head_dim)
             g.probes = probes.reshape(L, E * H, n, head_dim)
-        lo = 0
-        for lv in sorted({f.level for f in fs}):
-            hi = lo + sum(1 for f in fs if f.level == lv)
+        levels = np.array([f.level for f in fs])
+        bounds = np.flatnonzero(np.diff(levels)) + 1  # fs are sorted by level
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), E]):
+            lv = int(levels[lo])
             g.slices[lv] = (lo, hi)
-            if lv > 0:
-                g.chain[lv] = self._chain(fs[lo:hi], width)
-            lo = hi
+        if width and levels[-1] > 0:
+            self._chains(g, span.vcol.reshape(E, w), np.array([f.row for f in fs]), cols, valid)
         return g
 
-    def _chain(self, fs: list[Fit], width: int) -> tuple[list[int], torch.Tensor]:
-        """Where the fitted rows the spans of ``fs`` read lie in the event-major C2 of the levels
-        they come from (concatenated): ``(levels, rows [E·H·f])`` (padding: row 0)."""
+    def _chains(self, g: _Group, vcol: np.ndarray, rows: np.ndarray, cols: np.ndarray, valid: np.ndarray) -> None:
+        """Per level of ``g`` above 0, where the fitted rows its spans read lie in the event-major C2
+        of the levels they come from (concatenated): ``g.chain[level] = (levels, rows [E·H·f])``
+        (padding: row 0); ``vcol`` ``[E, w]`` the spans' value sources, ``cols``/``valid`` ``[E, f]``
+        their fitted columns."""
         H = self.n_kv_heads
         firsts, meta = self._firsts, self._meta
-        rows = np.zeros((len(fs), H, width), np.int64)
-        ids = [self._starts[f.row] - 1 - f.span.vcol[f.span.vcol < 0] for f in fs]  # the batch's fitted rows
-        lens = np.array([len(j) for j in ids])
-        j = np.concatenate(ids)
-        e = np.repeat(np.arange(len(fs)), lens)  # each id's fit, and its column in that fit's span
-        col = np.arange(j.size) - np.repeat(np.cumsum(lens) - lens, lens)
-        o = np.searchsorted(firsts, j, side="right") - 1  # the fit that owns it
+        # each fitted column's row of the batch's fitted rows, the fit that owns it, its (level, offset, t)
+        j = self._starts[rows][:, None] - 1 - np.take_along_axis(vcol, cols, 1)
+        o = np.maximum(np.searchsorted(firsts, j, side="right") - 1, 0)
         lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
-        refs = np.unique(lv).tolist()
+        base = off + j - firsts[o]  # within its level's C2
         at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)
-        at[refs] = np.cumsum([0] + [self._level_flat_rows[x] for x in refs[:-1]])
-        rows[e, :, col] = (at[lv] + off + j - firsts[o])[:, None] + np.arange(H)[None, :] * t[:, None]
-        return refs, self._stage(rows.reshape(-1))
+        for level, (lo, hi) in g.slices.items():
+            if level == 0:
+                continue
+            refs = np.unique(lv[lo:hi][valid[lo:hi]]).tolist()
+            at[refs] = np.cumsum([0] + [self._level_flat_rows[x] for x in refs[:-1]])
+            out = (at[lv[lo:hi]] + base[lo:hi])[:, None, :] + np.arange(H)[None, :, None] * t[lo:hi, None, :]
+            out[np.broadcast_to(~valid[lo:hi, None, :], out.shape)] = 0
+            g.chain[level] = (refs, self._stage(out.reshape(-1)))
 
     def _build_buckets(self) -> None:
         plan = self.plan
@@ -418,40 +478,40 @@ class OnePassReplay:
                 groups.append([p])
         self.buckets = [self._bucket(ps) for ps in groups]
         # each token row's bucket (-1: padding), piece and query (for _output_index)
-        tok = self._tokens = _Tokens(
-            np.full(self.rows, -1, np.int64), np.zeros(self.rows, np.int64), np.zeros(self.rows, np.int64)
-        )  # fmt: skip
-        for k, ps in enumerate(groups):
-            for j, p in enumerate(ps):
-                at = p.row * self.width + np.arange(p.q0, p.q1)
-                tok.bucket[at], tok.piece[at], tok.query[at] = k, j, np.arange(p.q1 - p.q0)
+        bucket, piece, query = np.full(self.rows, -1, np.int64), np.zeros(self.rows, np.int64), np.zeros(self.rows, np.int64)
+        row, q0, q1 = (np.array([getattr(p, a) for p in pieces], np.int64) for a in ("row", "q0", "q1"))
+        size = np.array([len(ps) for ps in groups])
+        lens = q1 - q0
+        query_of = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        at = np.repeat(row * self.width + q0, lens) + query_of
+        bucket[at] = np.repeat(np.repeat(np.arange(len(groups)), size), lens)
+        piece[at] = np.repeat(np.arange(len(pieces)) - np.repeat(np.cumsum(size) - size, size), lens)
+        query[at] = query_of
+        self._tokens = _Tokens(self._stage(bucket), self._stage(piece), self._stage(query))
 
     def _bucket(self, ps: list[Piece]) -> _Bucket:
         plan, stage = self.plan, self._stage
-        P = len(ps)
-        W = max(p.width(plan.snapshots[p.ctx].length) for p in ps)
-        nq = max(p.q1 - p.q0 for p in ps)
+        snaps = [plan.snapshots[p.ctx] for p in ps]
+        row, q0, q1, first = (np.array([getattr(p, a) for p in ps], np.int64) for a in ("row", "q0", "q1", "start"))
+        ctx = np.array([s.length for s in snaps], np.int64)
+        P, W, nq = len(ps), int((ctx + q1 - first).max()), int((q1 - q0).max())
+        # each piece's columns: its snapshot's rows, then its segment's tokens first .. q1 - 1, then padding
+        k = np.arange(W)[None, :]
+        in_snap = k < ctx[:, None]
+        own = ~in_snap & (k < (ctx + q1 - first)[:, None])
+        token = first[:, None] + k - ctx[:, None]
+        stack = _Stack.pieces(row, snaps, in_snap, own, token)
         big = np.iinfo(np.int64).max
-        colpos = np.full((P, W), big, np.int64)
-        qrows = np.zeros((P, nq), np.int64)
-        qpos = np.full((P, nq), big - 1, np.int64)  # padding queries see every real column
-        snaps, own, pads = [], [], []
-        for j, p in enumerate(ps):
-            snap = plan.snapshots[p.ctx]
-            c, mine = snap.length, np.arange(p.start, p.q1)
-            snaps.append(snap)
-            own.append(mine)
-            pads.append(W - c - mine.size)
-            colpos[j, :c] = -1
-            colpos[j, c : c + mine.size] = mine
-            qrows[j, : p.q1 - p.q0] = p.row * self.width + np.arange(p.q0, p.q1)
-            qpos[j, : p.q1 - p.q0] = np.arange(p.q0, p.q1)
-        keys, values, bias = self._rows(_Stack.of([p.row for p in ps], snaps, own, pads), values=True,
-                                        bias=plan.has_bias, attention=True)  # fmt: skip
+        colpos = np.where(in_snap, -1, np.where(own, token, big))
+        i = np.arange(nq)[None, :]
+        real = i < (q1 - q0)[:, None]
+        qrows = np.where(real, row[:, None] * self.width + q0[:, None] + i, 0)
+        qpos = np.where(real, q0[:, None] + i, big - 1)  # padding queries see every real column
+        keys, values, bias = self._rows(stack, values=True, bias=plan.has_bias, attention=True)
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
             colpos=stage(colpos), qpos=stage(qpos),
-            qidx=stage((qrows[:, None, :] * self._q_heads + np.arange(self._q_heads)[None, :, None]).reshape(-1)),
+            qidx=stage(qrows, partial(_head_rows, heads=self._q_heads)),
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------- per layer
@@ -538,22 +598,20 @@ class OnePassReplay:
         """For every token row and query head ``[B·N·H_q]``, its output row among the buckets' dense
         rows laid end to end (then the zero row), for the buckets' row strides ``layout`` (per bucket
         ``(rows, piece, head, query)``: the kernels choose their output layout, the same at every layer)."""
-        if layout not in self._out_index:
+        if layout not in self._out_index:  # on the device: [B·N·H_q] indices are too many for the host
             tok = self._tokens
-            counts = np.array([n for n, *_ in layout], np.int64)
-            base = np.concatenate([[0], np.cumsum(counts)])
-            sp, sh, sq = (np.array([s[i] for s in layout], np.int64) for i in (1, 2, 3))
-            nq = np.array([b.queries for b in self.buckets], np.int64)
-            H = self.n_kv_heads
-            G = self._q_heads // H
-            hq = np.arange(self._q_heads)
-            k = np.maximum(tok.bucket, 0)[:, None]
+            meta = torch.tensor([[*s, b.queries] for s, b in zip(layout, self.buckets)], dtype=torch.long)
+            counts, sp, sh, sq, nq = upload([meta.T.contiguous()], self.device)[0]  # no synchronisation
+            base = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            dev = base.device
+            G = self._q_heads // self.n_kv_heads
+            hq = torch.arange(self._q_heads, device=dev)
+            k = tok.bucket.clamp(min=0)[:, None]
             idx = (
                 base[k] + tok.piece[:, None] * sp[k] + (hq // G)[None] * sh[k]
                 + ((hq % G)[None] * nq[k] + tok.query[:, None]) * sq[k]
             )  # fmt: skip
-            idx[tok.bucket < 0] = base[-1]
-            self._out_index[layout] = upload([torch.from_numpy(idx.reshape(-1))], self.device)[0]
+            self._out_index[layout] = idx.masked_fill_(tok.bucket[:, None] < 0, base[-1]).reshape(-1)
         return self._out_index[layout]
 
     def _fitted_values(self, layer: int, query: torch.Tensor, keys: torch.Tensor,
@@ -674,7 +732,7 @@ class OnePassReplay:
     ]:  # fmt: skip
         """The kept keys' softmax before the padding mask, the design ``X`` ``[E·H, n, t]`` (padding
         probes' rows zero) and the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
-        beta = None if g.beta is None else g.beta[layer]
+        beta = None if g.beta_slots is None else self._kept_beta(g, layer)
         raw = half_product(probes, span_keys)  # no float32 copies when it applies
         if raw is not None:  # both softmaxes in one pass over the logits where Triton runs
             xs, attn = span_and_kept_softmax(raw, self.scale, g.kept[layer], bias, beta)
@@ -685,6 +743,12 @@ class OnePassReplay:
             xs, attn = kept_and_span_softmax_of(raw, logits, g.kept[layer], beta)
         x = xs if mask is None else xs * mask[:, :, None].to(xs.dtype)  # padding probes drop out
         return xs, x, attn
+
+    def _kept_beta(self, g: _Group, layer: int) -> torch.Tensor:
+        """The group's recorded β at ``layer`` ``[E·H, t]``: its kept rows' biases."""
+        H = self.n_kv_heads
+        beta = self._bias_table[layer].index_select(1, g.beta_slots)  # [H, E·t]
+        return beta.reshape(H, g.count, g.target).transpose(0, 1).reshape(g.count * H, g.target)
 
     def _map_solve(self, g: _Group, layer: int, x: torch.Tensor, attn: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
@@ -854,6 +918,13 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Ten
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
     flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
     return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(blocks, H, -1, x.shape[-1])
+
+
+def _head_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of the layer's query rows ``[B·N·H_q, d]`` (token-major, query head fastest) for token
+    rows ``rows`` ``[P, n]``, every query head's: ``[P·H_q·n]``, piece-major then head."""
+    h = torch.arange(heads, device=rows.device)
+    return (rows[:, None, :] * heads + h[None, :, None]).reshape(-1)
 
 
 def _dense_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:

@@ -14,7 +14,9 @@ sides). So the plan below can describe every cache row the rollout ever attended
   trajectory's C2 table),
 * a constant bias (β; 0 for raw rows),
 
-raw rows shared by every (layer, KV head), a block's rows per head (:class:`Snapshot`),
+raw rows shared by every (layer, KV head), a block's rows per head: each compacted row the
+session ever held is a *slot* of the trajectory's append-only :class:`SlotTable`, and a
+:class:`Snapshot` names its block rows by slot (an event writes only its own kept rows),
 
 built by simulating the session's row bookkeeping (:class:`~compaction_gym.compaction.RowMap`)
 and checked against every record exactly as the segment-by-segment replay checks it. The device
@@ -56,24 +58,98 @@ def one_pass_supported(events: list[CompactionEvent]) -> bool:
 PER_HEAD = np.iinfo(np.int64).min
 
 
+class SlotTable:
+    """A trajectory's compacted rows, per head: slot ``s`` is one block row at every (layer, KV
+    head) — its key token, value source (as :attr:`Snapshot.vcol`) and bias. Append-only: an event
+    adds its kept rows as new slots, so the snapshots before it stay valid and no state copies
+    per-head arrays (docs/grpo.md, "Replay in one pass").
+
+    Stored as what a refitting session needs at little cost: key tokens ``k`` ``[LH, capacity]``;
+    value sources once per slot where every head shares them (``shared``; a per-head table only
+    once a selection event keeps different rows per head); biases as each event's own ``[LH, t]``
+    array (its recorded β, not copied; ``None``: zeros), joined only when read (:meth:`bias`)."""
+
+    def __init__(self, lh: int, capacity: int) -> None:
+        self.lh = lh
+        self.k = np.empty((lh, capacity), np.int32)  # a token position (< 2**31)
+        self.shared = np.empty(capacity, np.int64)  # PER_HEAD: see per_head
+        self.per_head: np.ndarray | None = None  # [LH, capacity] value sources, once a slot needs it
+        self.chunks: list[np.ndarray | None] = []  # per add, its [LH, t] biases (None: zeros)
+        self.widths: list[int] = []  # per add, its t
+        self.biased = np.zeros(capacity, bool)  # per slot: some head's bias is nonzero
+        self.n = 0
+        self._bias: np.ndarray | None = None
+
+    def add(self, k: np.ndarray, shared: np.ndarray, v: np.ndarray | None, b: np.ndarray | None) -> int:
+        """Append ``t`` slots: key tokens ``k`` ``[LH, t]``, value sources ``shared`` ``[t]``
+        (:data:`PER_HEAD` where ``v`` ``[LH, t]`` holds them per head) and biases ``b`` ``[LH, t]``
+        (``None``: zeros). Returns the first slot."""
+        first, t = self.n, k.shape[1]
+        if first + t > self.k.shape[1]:  # more than the events announced: grow
+            more = max(first + t, 2 * self.k.shape[1]) - self.k.shape[1]
+            self.k = np.pad(self.k, ((0, 0), (0, more)))
+            self.shared, self.biased = np.pad(self.shared, (0, more)), np.pad(self.biased, (0, more))
+            if self.per_head is not None:
+                self.per_head = np.pad(self.per_head, ((0, 0), (0, more)))
+        at = slice(first, first + t)
+        self.k[:, at] = k
+        self.shared[at] = shared
+        if self.per_head is None and v is not None and (shared == PER_HEAD).any():
+            self.per_head = np.empty(self.k.shape, np.int64)
+            self.per_head[:, :first] = self.shared[:first]
+        if self.per_head is not None:
+            self.per_head[:, at] = shared if v is None else v
+        nonzero = None if b is None else b.any(0)
+        if nonzero is not None and nonzero.any():
+            self.biased[at] = nonzero
+        else:
+            b, self.biased[at] = None, False
+        self.chunks.append(b)
+        self.widths.append(t)
+        self.n, self._bias = first + t, None
+        return first
+
+    def values(self, flat: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """Value sources at flat indices ``flat`` into ``[LH, capacity]`` (``slot``: the slots themselves)."""
+        return np.take(self.shared, slot) if self.per_head is None else np.take(self.per_head, flat)
+
+    def bias(self) -> np.ndarray:
+        """The biases ``[LH, n]`` (float32), joined."""
+        if self._bias is None:
+            self._bias = np.concatenate(
+                [np.zeros((self.lh, 0), np.float32)]
+                + [np.zeros((self.lh, w), np.float32) if c is None else c for c, w in zip(self.chunks, self.widths)],
+                1,
+            )
+        return self._bias
+
+    def trim(self) -> None:
+        """Drop the unused capacity (the device plan uploads the whole table)."""
+        if self.k.shape[1] != self.n:
+            self.k = np.ascontiguousarray(self.k[:, : self.n])
+            self.shared, self.biased = self.shared[: self.n].copy(), self.biased[: self.n].copy()
+            if self.per_head is not None:
+                self.per_head = np.ascontiguousarray(self.per_head[:, : self.n])
+
+
 @dataclass
 class Snapshot:
     """A cache state. Raw rows are the same for every (layer, KV head); a compacted block's rows
-    hold a different kept key (and bias, and for selection modes value) per head, so they are
-    stored apart, per head, in row order.
+    hold a different kept key (and bias, and for selection modes value) per head, stored once in
+    the trajectory's :class:`SlotTable` and named here by slot.
 
     Attributes:
         kcol: ``[T]`` the raw row's token, ``-1`` on block rows.
         vcol: ``[T]`` the row's value source when every head shares it (a token ``>= 0`` or a
             fitted row ``-1 - j``, ``j`` counted within the trajectory), :data:`PER_HEAD` otherwise.
-        bk, bv, bb: ``[LH, nb]`` per head, the block rows' key token, value source and bias.
+        slot: ``[T]`` the block row's slot in ``table``, ``-1`` on raw rows.
+        table: the trajectory's slots.
     """
 
     kcol: np.ndarray
     vcol: np.ndarray
-    bk: np.ndarray
-    bv: np.ndarray
-    bb: np.ndarray
+    slot: np.ndarray
+    table: SlotTable
 
     @property
     def length(self) -> int:
@@ -84,34 +160,37 @@ class Snapshot:
         """Rows of compacted blocks, ascending."""
         return np.flatnonzero(self.kcol < 0)
 
-    def block_range(self, start: int, end: int) -> tuple[int, int]:
-        """The ranks ``[lo, hi)`` of the block rows inside rows ``[start, end)`` (blocks ascend)."""
-        lo, hi = np.searchsorted(self.blocks, (start, end))
-        return int(lo), int(hi)
+    @property
+    def has_bias(self) -> bool:
+        """Whether some block row has a nonzero bias at some head."""
+        return bool(self.table.biased[self.slot[self.blocks]].any())
+
+    def sliced(self, start: int, end: int) -> Snapshot:
+        """Rows ``[start, end)`` (views: snapshots are never written)."""
+        return Snapshot(self.kcol[start:end], self.vcol[start:end], self.slot[start:end], self.table)
 
     def rows_at(self, rows: np.ndarray, values: bool = True,
-                bias: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:  # fmt: skip
+                bias: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:  # fmt: skip
         """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources (``None`` unless
-        ``values``) and biases (zeros unless ``bias``: the cache holds no β)."""
+        ``values``) and biases (``None`` unless ``bias``, and where every one is zero)."""
         kcol = np.take(self.kcol, rows)
-        in_block = kcol < 0
-        if not in_block.any():
-            return kcol, np.take(self.vcol, rows) if values else None, np.zeros(rows.shape, np.float32)
-        raw = ~in_block
-        # per head, each row's rank among the blocks' rows, as an index into the flat [LH, nb] arrays
-        nb = len(self.blocks)
-        flat = np.take(np.cumsum(self.kcol < 0) - 1, rows)
-        flat += np.arange(0, rows.shape[0] * nb, nb)[:, None]
-        flat[raw] = 0  # raw rows (rank -1 before the first block): any valid index, overwritten
-        k = np.take(self.bk, flat)
+        slot = np.take(self.slot, rows)
+        raw = slot < 0
+        if raw.all():
+            return kcol, np.take(self.vcol, rows) if values else None, None
+        table, lh = self.table, rows.shape[0]
+        # per head, each row's slot as an index into the flat [LH, capacity] tables (a raw row's -1:
+        # the previous head's last slot, or the last one; any valid index, overwritten below)
+        flat = slot + np.arange(0, lh * table.k.shape[1], table.k.shape[1])[:, None]
+        k = np.take(table.k, flat)
         np.copyto(k, kcol, where=raw)
         v = None
         if values:
-            v = np.take(self.bv, flat)
+            v = table.values(flat, slot)
             np.copyto(v, np.take(self.vcol, rows), where=raw)
-        if not bias:
-            return k, v, np.zeros(rows.shape, np.float32)
-        b = np.take(self.bb, flat)
+        if not bias or not table.biased[slot[~raw]].any():
+            return k, v, None
+        b = np.take(table.bias(), slot + np.arange(0, lh * table.n, table.n)[:, None])
         b[raw] = 0
         return k, v, b
 
@@ -120,8 +199,8 @@ class Snapshot:
 class Fit:
     """One event whose C2 is refitted: the inputs of its value map ``M`` ``[L·H, t, w]``.
 
-    ``kcol``/``vcol``/``bk``/``bb`` describe its span as :class:`Snapshot` does (the values of a
-    refitting session's rows are shared by every head)."""
+    ``span`` holds its span's rows (the values of a refitting session's rows are shared by every
+    head); its kept rows are slots ``slot .. slot + t - 1`` of the trajectory's table."""
 
     row: int  # trajectory
     event: CompactionEvent
@@ -130,6 +209,7 @@ class Fit:
     beta: np.ndarray | None  # [LH, t] recorded β, or None (kept rows keep their bias)
     probe: tuple  # ("suffix", a, b) | ("keys", Snapshot of the probe rows) | ("random", seed, index, n)
     first: int  # its fitted rows are first .. first + t - 1 (in a TrajectorySim: of the trajectory)
+    slot: int  # its kept rows' first slot (of its trajectory's table)
     level: int  # 1 + the deepest fit whose rows its span reads (0: raw rows only)
     ridge: float
 
@@ -191,6 +271,7 @@ class Plan:
     # per row, where its fitted rows begin: row ``b``'s value source ``-1 - j`` is fitted row
     # ``fitted_offsets[b] + j`` of the batch (sources are numbered per trajectory, docs/grpo.md)
     fitted_offsets: list[int] = field(default_factory=list)
+    tables: list[SlotTable] = field(default_factory=list)  # per row, its trajectory's slots
     has_bias: bool = False
 
 
@@ -203,6 +284,7 @@ class TrajectorySim:
     end: int
     tokens: list[int] = field(default_factory=list)  # the trajectory's token ids
     num_events: int = 0
+    table: SlotTable = field(default_factory=lambda: SlotTable(0, 0))
     fits: list[Fit] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
     pieces: list[Piece] = field(default_factory=list)
@@ -275,6 +357,7 @@ def assemble(sims: list[TrajectorySim], *, targets: list[list[int]], temperature
         plan.pieces += [Piece(i, p.q0, p.q1, p.start, p.ctx + ctx0) for p in sim.pieces]
         plan.fits += [_moved(f, i, first0) for f in sim.fits]
         plan.fitted_rows += sim.fitted_rows
+        plan.tables.append(sim.table)
         plan.has_bias |= sim.has_bias
     return plan
 
@@ -307,20 +390,21 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
              piece_queries: int = PIECE_QUERIES) -> TrajectorySim:  # fmt: skip
     """Trajectory ``index``'s cache through its events up to token ``end`` (checked against the
     records; ``index`` only names it in errors)."""
-    sim = TrajectorySim(end, [int(t) for t in traj.token_ids])
+    ids = traj.token_ids
+    sim = TrajectorySim(end, ids.tolist() if isinstance(ids, (torch.Tensor, np.ndarray)) else list(map(int, ids)))
     lh = n_layers * n_kv_heads
     events = checked_events(traj, index, end)
     sim.num_events = len(events)
-    empty = np.zeros((lh, 0), np.int64)
-    state = Snapshot(
-        np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty, np.zeros((lh, 0), np.float32)
-    )
+    sim.table = SlotTable(lh, sum(int(e.indices.shape[-1]) for e in events))
+    prepared = _prepared(events, lh)
+    empty = np.zeros(0, np.int64)
+    state = Snapshot(empty, empty, empty, sim.table)
     row_map = RowMap()
     fed, e_next = 0, 0
     while fed < end or (e_next < len(events) and events[e_next].logical_len == fed):
         if e_next < len(events) and events[e_next].logical_len == fed:
             ev = events[e_next]
-            state, fit = _apply(sim, index, lh, ev, state, row_map, n_probe, ridge)
+            state, fit = _apply(sim, index, lh, ev, prepared[e_next], state, row_map, n_probe, ridge)
             if fit is not None:
                 sim.fits.append(fit)
             e_next += 1
@@ -332,11 +416,52 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
             sim.pieces.append(Piece(0, q0, min(stop, q0 + piece_queries), fed, ctx))
         raw = np.arange(fed, stop, dtype=np.int64)
         state = Snapshot(
-            np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]), state.bk, state.bv, state.bb
-        )
+            np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]),
+            np.concatenate([state.slot, np.full(stop - fed, -1, np.int64)]), sim.table,
+        )  # fmt: skip
         row_map.append(fed, stop - fed)
         fed = stop
+    sim.table.trim()
     return sim
+
+
+@dataclass
+class _EventArrays:
+    """An event's records as the simulation reads them, prepared for all events at once."""
+
+    indices: np.ndarray  # [LH, t] int64
+    local: np.ndarray  # [LH, t] relative to the span (int16 when the span is narrower than 2**15)
+    beta: np.ndarray | None  # [LH, t] float32, when the event recorded β and uses it
+    ascending: bool  # its indices ascend inside its recorded span
+
+
+def _prepared(events: list[CompactionEvent], lh: int) -> list[_EventArrays | None]:
+    """Every event's :class:`_EventArrays`, events of one shape stacked (one conversion and one
+    check for all instead of one per event); ``None`` for an event whose indices do not hold ``lh``
+    rows (:func:`_apply` raises on it, in order)."""
+    out: list[_EventArrays | None] = [None] * len(events)
+    by_shape: dict[tuple, list[int]] = {}
+    for j, e in enumerate(events):
+        if e.indices.dim() == 3 and e.indices.shape[0] * e.indices.shape[1] == lh:
+            by_shape.setdefault(tuple(e.indices.shape), []).append(j)
+    for shape, js in by_shape.items():
+        t = shape[-1]
+        ind = torch.stack([events[j].indices for j in js]).reshape(len(js), lh, t).long().numpy()
+        start = np.array([events[j].span[0] for j in js], np.int64)
+        end = np.array([events[j].span[1] for j in js], np.int64)
+        ok = np.ones(len(js), bool)
+        if t:
+            ok = (ind[:, :, 0].min(1) >= start) & (ind[:, :, -1].max(1) < end)
+            if t > 1:
+                ok &= (ind[:, :, 1:] > ind[:, :, :-1]).all((1, 2))
+        narrow = bool((end - start < 2**15).all())
+        local = (ind - start[:, None, None]).astype(np.int16 if narrow else np.int64)
+        for k, j in enumerate(js):
+            e = events[j]
+            beta = e.recorded_beta() if e.compute_beta else None
+            beta = None if beta is None else np.asarray(beta.numpy(), np.float32)
+            out[j] = _EventArrays(ind[k], local[k], beta, bool(ok[k]))
+    return out
 
 
 def _apply(
@@ -344,6 +469,7 @@ def _apply(
     i: int,
     lh: int,
     ev: CompactionEvent,
+    arrays: _EventArrays | None,
     state: Snapshot,
     row_map: RowMap,
     n_probe: int,
@@ -366,54 +492,43 @@ def _apply(
             f"{where}: rows {ev.span} stand for logical tokens "
             f"{row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
         )
-    indices = ev.forced_indices().numpy()
-    t = indices.shape[1]
-    if indices.shape[0] != lh:
-        raise InvalidArgumentError(
-            f"{where}: indices hold {indices.shape[0]} (layer, KV head) rows, the model has {lh}"
-        )
-    if t and (
-        indices[:, 0].min() < start
-        or indices[:, -1].max() >= end
-        or (indices[:, 1:] <= indices[:, :-1]).any()
-    ):
+    if arrays is None:
+        rows = ev.forced_indices().shape[0]
+        raise InvalidArgumentError(f"{where}: indices hold {rows} (layer, KV head) rows, the model has {lh}")
+    if not arrays.ascending:
         raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
-    # span-relative kept rows, stored narrow (the device plan uploads them for every event)
-    local = (indices - start).astype(np.int16 if end - start < 2**15 else np.int64)
+    indices, local, beta_np = arrays.indices, arrays.local, arrays.beta
+    t = indices.shape[1]
     refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
-    kept_k, kept_v, old_b = state.rows_at(indices, values=not refit, bias=sim.has_bias)
-    beta = ev.recorded_beta()
-    beta_np = None if beta is None or not ev.compute_beta else beta.numpy().astype(np.float32)
+    # kept rows keep their bias unless the event recorded β
+    kept_k, kept_v, old_b = state.rows_at(indices, values=not refit, bias=sim.has_bias and beta_np is None)
     kept_b = beta_np if beta_np is not None else old_b
-    lo, hi = state.block_range(start, end)  # the blocks inside the span: ranks [lo, hi)
     fit = None
     if refit:
         first = sim.fitted_rows
-        span_vcol = state.vcol[start:end]
-        if (span_vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
+        span = state.sliced(start, end)
+        if (span.vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
-        refs = -1 - span_vcol[span_vcol < 0]
+        refs = -1 - span.vcol[span.vcol < 0]
         level = 1 + (int(sim.levels_of(refs).max()) if refs.size else -1)
         sim.add_fitted(t, level)
-        span = Snapshot(
-            state.kcol[start:end], span_vcol, state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi]
-        )  # views: snapshots are never written
-        fit = Fit(
-            row=0, event=ev, span=span, kept=local, beta=beta_np,
-            probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, level=level, ridge=ridge,
-        )  # fmt: skip
         new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
-        kept_v = np.broadcast_to(new_vcol, (lh, t))
+        kept_v = None  # every head's: new_vcol
     else:
         new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
-    if beta_np is not None and np.any(beta_np != 0):
-        sim.has_bias = True
+    slot = sim.table.add(kept_k, new_vcol, kept_v, kept_b)
+    if refit:
+        fit = Fit(
+            row=0, event=ev, span=span, kept=local, beta=beta_np,
+            probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, slot=slot, level=level,
+            ridge=ridge,
+        )  # fmt: skip
+    sim.has_bias = sim.has_bias or bool(sim.table.biased[slot : slot + t].any())
     out = Snapshot(
         np.concatenate([state.kcol[:start], np.full(t, -1, np.int64), state.kcol[end:]]),
         np.concatenate([state.vcol[:start], new_vcol, state.vcol[end:]]),
-        np.concatenate([state.bk[:, :lo], kept_k, state.bk[:, hi:]], 1),
-        np.concatenate([state.bv[:, :lo], kept_v, state.bv[:, hi:]], 1),
-        np.concatenate([state.bb[:, :lo], kept_b.astype(np.float32, copy=False), state.bb[:, hi:]], 1),
+        np.concatenate([state.slot[:start], np.arange(slot, slot + t, dtype=np.int64), state.slot[end:]]),
+        sim.table,
     )
     row_map.replace(start, end, t, ev.logical_span)
     if out.length != ev.kv_len_after:
@@ -427,11 +542,7 @@ def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: 
     if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
         raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
     if ev.probe_source == "keys":
-        rows = key_probe_rows(ev, row_map, state.length, n_probe, where)
-        lo, hi = state.block_range(*rows)
-        probe = Snapshot(state.kcol[rows[0] : rows[1]], state.vcol[rows[0] : rows[1]],
-                         state.bk[:, lo:hi], state.bv[:, lo:hi], state.bb[:, lo:hi])  # fmt: skip
-        return ("keys", probe)
+        return ("keys", state.sliced(*key_probe_rows(ev, row_map, state.length, n_probe, where)))
     if ev.probe_source in SUFFIX_SOURCES:
         a, b = ev.probe_logical_range
         if not 0 <= a < b <= ev.logical_len:
