@@ -222,6 +222,7 @@ class _Bucket:
     colpos: torch.Tensor  # [P, W] each column's token (-1: the snapshot's rows, a large value: padding)
     qpos: torch.Tensor  # [P, n_q] each query's token (padding queries: see every real column)
     qidx: torch.Tensor  # [P·H_q·n_q] rows of the layer's queries [B·N·H_q, d], grouped by KV head
+    qreal: torch.Tensor  # [P, n_q] which queries are real (not padding)
 
 
 @dataclass
@@ -248,7 +249,8 @@ class OnePassReplay:
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._block_masks: dict[int, Any] = {}  # per bucket, FlexAttention's (kept with the plan)
-        self._out_index: dict[tuple, torch.Tensor] = {}  # per output layout (kept with the plan)
+        self._out_index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per output layout: index, inverse
+        self._q_inverse: dict[int, torch.Tensor] = {}  # per bucket, its queries' inverse map (kept with the plan)
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
         self._stage = stage = _Stage(device)
         self._layout_fits()
@@ -511,7 +513,7 @@ class OnePassReplay:
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
             colpos=stage(colpos), qpos=stage(qpos),
-            qidx=stage(qrows, partial(_head_rows, heads=self._q_heads)),
+            qidx=stage(qrows, partial(_head_rows, heads=self._q_heads)), qreal=stage(real),
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------- per layer
@@ -536,7 +538,8 @@ class OnePassReplay:
             rows, layout = zip(*(_dense_rows(o) for o in outs))
             zero = rows[0].new_zeros(1, rows[0].shape[-1])  # the padding tokens' row
             rows = torch.cat([*rows, zero])
-            out = torch.nn.functional.embedding(self._output_index(layout), rows[:, :dv])
+            index, inverse = self._output_index(layout)
+            out = _gather_read_once(rows[:, :dv], index, inverse)
         return out.reshape(B, N, Hq, dv)
 
     def _bucket_attention(self, b: _Bucket, layer: int, q_rows: torch.Tensor, key_rows: torch.Tensor,
@@ -547,7 +550,8 @@ class OnePassReplay:
         kp = _gather_blocks(key_rows, b.keys.at(layer, H), b.pieces)
         vp = _gather_blocks(value_rows, b.values.at(layer, H), b.pieces)
         # the queries gathered straight into the grouped layout [P, H_kv, G·n_q, d]
-        qp = torch.nn.functional.embedding(b.qidx, q_rows).reshape(b.pieces, H, -1, q_rows.shape[-1])
+        qp = _gather_read_once(q_rows, b.qidx, lambda: self._query_inverse(b, q_rows.shape[0]))
+        qp = qp.reshape(b.pieces, H, -1, q_rows.shape[-1])
         groups = self._q_heads // H
         if b.bias is None:
             return grouped_sdpa_heads(qp, kp, vp, self._mask(b, q_rows.dtype, groups), scaling=scaling)
@@ -594,10 +598,11 @@ class OnePassReplay:
             self._block_masks[id(b)] = position_block_mask(b.colpos, b.qpos, groups)
         return self._block_masks[id(b)]
 
-    def _output_index(self, layout: tuple[tuple[int, int, int, int], ...]) -> torch.Tensor:
+    def _output_index(self, layout: tuple[tuple[int, int, int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """For every token row and query head ``[B·N·H_q]``, its output row among the buckets' dense
         rows laid end to end (then the zero row), for the buckets' row strides ``layout`` (per bucket
-        ``(rows, piece, head, query)``: the kernels choose their output layout, the same at every layer)."""
+        ``(rows, piece, head, query)``: the kernels choose their output layout, the same at every layer);
+        and its inverse (:func:`_inverse`: a dense row is the output of at most one real token row)."""
         if layout not in self._out_index:  # on the device: [B·N·H_q] indices are too many for the host
             tok = self._tokens
             meta = torch.tensor([[*s, b.queries] for s, b in zip(layout, self.buckets)], dtype=torch.long)
@@ -611,8 +616,18 @@ class OnePassReplay:
                 base[k] + tok.piece[:, None] * sp[k] + (hq // G)[None] * sh[k]
                 + ((hq % G)[None] * nq[k] + tok.query[:, None]) * sq[k]
             )  # fmt: skip
-            self._out_index[layout] = idx.masked_fill_(tok.bucket[:, None] < 0, base[-1]).reshape(-1)
+            padding = tok.bucket[:, None] < 0
+            idx = idx.masked_fill_(padding, base[-1]).reshape(-1)
+            real = (~padding).expand(-1, self._q_heads).reshape(-1)
+            self._out_index[layout] = idx, _inverse(idx, real, int(counts.sum()) + 1)
         return self._out_index[layout]
+
+    def _query_inverse(self, b: _Bucket, rows: int) -> torch.Tensor:
+        """The bucket's query gather's inverse over the layer's ``rows`` query rows (built once per plan)."""
+        if id(b) not in self._q_inverse:
+            real = b.qreal[:, None, :].expand(-1, self._q_heads, -1).reshape(-1)
+            self._q_inverse[id(b)] = _inverse(b.qidx, real, rows)
+        return self._q_inverse[id(b)]
 
     def _fitted_values(self, layer: int, query: torch.Tensor, keys: torch.Tensor,
                        values: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
@@ -918,6 +933,43 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Ten
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
     flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
     return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(blocks, H, -1, x.shape[-1])
+
+
+def _inverse(idx: torch.Tensor, real: torch.Tensor, rows: int) -> torch.Tensor:
+    """For each of ``rows`` source rows, the entry of ``idx`` that reads it among the ``real`` ones
+    (at most one, by construction), or ``len(idx)``: none. Built on the device without a
+    synchronisation (no boolean indexing: the other entries write to a spare slot)."""
+    n = idx.numel()
+    out = torch.full((rows + 1,), n, dtype=torch.long, device=idx.device)
+    at = torch.where(real, idx, rows)
+    out.scatter_(0, at, torch.where(real, torch.arange(n, device=idx.device), n))
+    return out[:rows]
+
+
+class _ReadOnce(torch.autograd.Function):
+    """``src[idx]`` (rows) where every source row is read by at most one entry whose gradient can be
+    nonzero (the others are padding whose outputs nothing reads): the backward is one row gather
+    through the inverse map instead of an embedding backward's sort and segment sums."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, idx: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return torch.nn.functional.embedding(idx, src)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (inverse,) = ctx.saved_tensors
+        grad = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])  # row len(idx): no reader
+        return torch.nn.functional.embedding(inverse, grad), None, None
+
+
+def _gather_read_once(src: torch.Tensor, idx: torch.Tensor,
+                      inverse: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """``src[idx]`` as an embedding lookup; with a gradient, by :class:`_ReadOnce` (``inverse``: from
+    :func:`_inverse`, or a function making it)."""
+    if not (torch.is_grad_enabled() and src.requires_grad):
+        return torch.nn.functional.embedding(idx, src)
+    return _ReadOnce.apply(src, idx, inverse() if callable(inverse) else inverse)
 
 
 def _head_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:

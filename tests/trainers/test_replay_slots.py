@@ -118,3 +118,28 @@ def test_slot_snapshots_equal_a_dense_per_head_cache(seed: int, lh: int, ops: li
         past = _Dense(lh)
         past.k, past.v, past.b = arrays
         _check(old, past)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 40), real=st.integers(0, 40), padding=st.integers(0, 20))
+def test_read_once_gather_backward_equals_the_embedding_backward(seed: int, rows: int, real: int,
+                                                                  padding: int) -> None:  # fmt: skip
+    """The one-pass replay's query and output gathers: each source row read by at most one real entry,
+    padding entries reading any row with a zero upstream gradient (their outputs are never used)."""
+    import torch
+
+    from compaction_gym.trainers.replay_onepass import _gather_read_once, _inverse
+
+    g = torch.Generator().manual_seed(seed)
+    real = min(real, rows)
+    idx = torch.cat([torch.randperm(rows, generator=g)[:real], torch.randint(0, rows, (padding,), generator=g)])
+    order = torch.randperm(idx.numel(), generator=g)
+    idx, is_real = idx[order], (torch.arange(idx.numel()) < real)[order]
+    src = torch.randn(rows, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    upstream = torch.randn(idx.numel(), 5, dtype=torch.float64, generator=g) * is_real[:, None]
+    out = _gather_read_once(src, idx, _inverse(idx, is_real, rows))
+    (grad,) = torch.autograd.grad(out, src, upstream)
+    want_out = torch.nn.functional.embedding(idx, src)
+    (want,) = torch.autograd.grad(want_out, src, upstream)
+    assert torch.equal(out, want_out)
+    assert torch.equal(grad, want)
