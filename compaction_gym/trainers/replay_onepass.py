@@ -22,7 +22,7 @@ and gradients); docs/grpo.md, "Replay in one pass".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -43,7 +43,7 @@ from compaction_gym.engine.fast.flex import (
 )
 from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
-from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Piece, Plan, Snapshot, random_probe_tensor
+from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
 BUCKET_SPREAD = 1.3
@@ -249,8 +249,8 @@ class OnePassReplay:
         self._q_heads = q_heads
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._block_masks: dict[int, Any] = {}  # per bucket, FlexAttention's (kept with the plan)
-        self._out_index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per output layout: index, inverse
-        self._q_inverse: dict[int, torch.Tensor] = {}  # per bucket, its queries' inverse map (kept with the plan)
+        self._out_index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per output layout: index, real
+        self._inverses: dict[Any, torch.Tensor] = {}  # per read-once lookup, its inverse (kept with the plan)
         self.failed: list[torch.Tensor] = []  # per value-map solve, which problems did not factor
         self._stage = stage = _Stage(device)
         self._layout_fits()
@@ -470,33 +470,37 @@ class OnePassReplay:
 
     def _build_buckets(self) -> None:
         plan = self.plan
-        widths = {id(p): p.width(plan.snapshots[p.ctx].length) for p in plan.pieces}
-        pieces = sorted(plan.pieces, key=lambda p: widths[id(p)])
-        groups: list[list[Piece]] = []
-        for p in pieces:
-            if groups and widths[id(p)] <= BUCKET_SPREAD * widths[id(groups[-1][0])]:
-                groups[-1].append(p)
-            else:
-                groups.append([p])
-        self.buckets = [self._bucket(ps) for ps in groups]
+        ctx = np.array([plan.snapshots[p.ctx].length for p in plan.pieces], np.int64)
+        row, q0, q1, first = (np.array([getattr(p, a) for p in plan.pieces], np.int64) for a in ("row", "q0", "q1", "start"))
+        order = np.argsort(ctx + q1 - first, kind="stable")  # pieces by key width
+        ctx, row, q0, q1, first = ctx[order], row[order], q0[order], q1[order], first[order]
+        widths = (ctx + q1 - first).tolist()
+        starts = [0]  # the buckets: runs of pieces whose widths differ by less than BUCKET_SPREAD
+        for j in range(1, len(widths)):
+            if widths[j] > BUCKET_SPREAD * widths[starts[-1]]:
+                starts.append(j)
+        bounds = list(zip(starts, [*starts[1:], len(widths)]))
+        snaps = [plan.snapshots[plan.pieces[j].ctx] for j in order]
+        self.buckets = [
+            self._bucket(snaps[lo:hi], ctx[lo:hi], row[lo:hi], q0[lo:hi], q1[lo:hi], first[lo:hi]) for lo, hi in bounds
+        ]
         # each token row's bucket (-1: padding), piece and query (for _output_index)
         bucket, piece, query = np.full(self.rows, -1, np.int64), np.zeros(self.rows, np.int64), np.zeros(self.rows, np.int64)
-        row, q0, q1 = (np.array([getattr(p, a) for p in pieces], np.int64) for a in ("row", "q0", "q1"))
-        size = np.array([len(ps) for ps in groups])
+        size = np.array([hi - lo for lo, hi in bounds])
         lens = q1 - q0
         query_of = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
         at = np.repeat(row * self.width + q0, lens) + query_of
-        bucket[at] = np.repeat(np.repeat(np.arange(len(groups)), size), lens)
-        piece[at] = np.repeat(np.arange(len(pieces)) - np.repeat(np.cumsum(size) - size, size), lens)
+        bucket[at] = np.repeat(np.repeat(np.arange(len(bounds)), size), lens)
+        piece[at] = np.repeat(np.arange(len(widths)) - np.repeat(np.cumsum(size) - size, size), lens)
         query[at] = query_of
         self._tokens = _Tokens(self._stage(bucket), self._stage(piece), self._stage(query))
 
-    def _bucket(self, ps: list[Piece]) -> _Bucket:
-        plan, stage = self.plan, self._stage
-        snaps = [plan.snapshots[p.ctx] for p in ps]
-        row, q0, q1, first = (np.array([getattr(p, a) for p in ps], np.int64) for a in ("row", "q0", "q1", "start"))
-        ctx = np.array([s.length for s in snaps], np.int64)
-        P, W, nq = len(ps), int((ctx + q1 - first).max()), int((q1 - q0).max())
+    def _bucket(self, snaps: list[Snapshot], ctx: np.ndarray, row: np.ndarray, q0: np.ndarray, q1: np.ndarray,
+                first: np.ndarray) -> _Bucket:  # fmt: skip
+        """A bucket of pieces: per piece its snapshot (of ``ctx`` rows), trajectory ``row``, queries
+        ``[q0, q1)`` and segment start ``first``."""
+        stage = self._stage
+        P, W, nq = len(snaps), int((ctx + q1 - first).max()), int((q1 - q0).max())
         # each piece's columns: its snapshot's rows, then its segment's tokens first .. q1 - 1, then padding
         k = np.arange(W)[None, :]
         in_snap = k < ctx[:, None]
@@ -509,7 +513,7 @@ class OnePassReplay:
         real = i < (q1 - q0)[:, None]
         qrows = np.where(real, row[:, None] * self.width + q0[:, None] + i, 0)
         qpos = np.where(real, q0[:, None] + i, big - 1)  # padding queries see every real column
-        keys, values, bias = self._rows(stack, values=True, bias=plan.has_bias, attention=True)
+        keys, values, bias = self._rows(stack, values=True, bias=self.plan.has_bias, attention=True)
         return _Bucket(
             pieces=P, queries=nq, width=W, keys=keys, values=values, bias=bias,
             colpos=stage(colpos), qpos=stage(qpos),
@@ -538,8 +542,8 @@ class OnePassReplay:
             rows, layout = zip(*(_dense_rows(o) for o in outs))
             zero = rows[0].new_zeros(1, rows[0].shape[-1])  # the padding tokens' row
             rows = torch.cat([*rows, zero])
-            index, inverse = self._output_index(layout)
-            out = _gather_read_once(rows[:, :dv], index, inverse)
+            index, real = self._output_index(layout)
+            out = self._read_once(rows[:, :dv], index, real, layout)
         return out.reshape(B, N, Hq, dv)
 
     def _bucket_attention(self, b: _Bucket, layer: int, q_rows: torch.Tensor, key_rows: torch.Tensor,
@@ -550,7 +554,7 @@ class OnePassReplay:
         kp = _gather_blocks(key_rows, b.keys.at(layer, H), b.pieces)
         vp = _gather_blocks(value_rows, b.values.at(layer, H), b.pieces)
         # the queries gathered straight into the grouped layout [P, H_kv, G·n_q, d]
-        qp = _gather_read_once(q_rows, b.qidx, lambda: self._query_inverse(b, q_rows.shape[0]))
+        qp = self._read_once(q_rows, b.qidx, lambda: b.qreal[:, None, :].expand(-1, self._q_heads, -1), id(b))
         qp = qp.reshape(b.pieces, H, -1, q_rows.shape[-1])
         groups = self._q_heads // H
         if b.bias is None:
@@ -602,7 +606,7 @@ class OnePassReplay:
         """For every token row and query head ``[B·N·H_q]``, its output row among the buckets' dense
         rows laid end to end (then the zero row), for the buckets' row strides ``layout`` (per bucket
         ``(rows, piece, head, query)``: the kernels choose their output layout, the same at every layer);
-        and its inverse (:func:`_inverse`: a dense row is the output of at most one real token row)."""
+        and which of them are real tokens (a dense row is the output of at most one)."""
         if layout not in self._out_index:  # on the device: [B·N·H_q] indices are too many for the host
             tok = self._tokens
             meta = torch.tensor([[*s, b.queries] for s, b in zip(layout, self.buckets)], dtype=torch.long)
@@ -618,16 +622,19 @@ class OnePassReplay:
             )  # fmt: skip
             padding = tok.bucket[:, None] < 0
             idx = idx.masked_fill_(padding, base[-1]).reshape(-1)
-            real = (~padding).expand(-1, self._q_heads).reshape(-1)
-            self._out_index[layout] = idx, _inverse(idx, real, int(counts.sum()) + 1)
+            self._out_index[layout] = idx, (~padding).expand(-1, self._q_heads)
         return self._out_index[layout]
 
-    def _query_inverse(self, b: _Bucket, rows: int) -> torch.Tensor:
-        """The bucket's query gather's inverse over the layer's ``rows`` query rows (built once per plan)."""
-        if id(b) not in self._q_inverse:
-            real = b.qreal[:, None, :].expand(-1, self._q_heads, -1).reshape(-1)
-            self._q_inverse[id(b)] = _inverse(b.qidx, real, rows)
-        return self._q_inverse[id(b)]
+    def _read_once(self, src: torch.Tensor, idx: torch.Tensor, real: Any, key: Hashable) -> torch.Tensor:
+        """``src[idx]`` (rows) for a lookup whose ``real`` entries (a mask of ``idx``'s shape, or a
+        function making it) read every row at most once: with a gradient, through :class:`_ReadOnce`
+        and its inverse map, built at the first use and kept with the plan under ``key``."""
+        if not (torch.is_grad_enabled() and src.requires_grad):
+            return torch.nn.functional.embedding(idx, src)
+        if key not in self._inverses:
+            mask = (real() if callable(real) else real).reshape(-1)
+            self._inverses[key] = _inverse(idx, mask, src.shape[0])
+        return _ReadOnce.apply(src, idx, self._inverses[key])
 
     def _fitted_values(self, layer: int, query: torch.Tensor, keys: torch.Tensor,
                        values: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
@@ -961,15 +968,6 @@ class _ReadOnce(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         grad = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])  # row len(idx): no reader
         return torch.nn.functional.embedding(inverse, grad), None, None
-
-
-def _gather_read_once(src: torch.Tensor, idx: torch.Tensor,
-                      inverse: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:  # fmt: skip
-    """``src[idx]`` as an embedding lookup; with a gradient, by :class:`_ReadOnce` (``inverse``: from
-    :func:`_inverse`, or a function making it)."""
-    if not (torch.is_grad_enabled() and src.requires_grad):
-        return torch.nn.functional.embedding(idx, src)
-    return _ReadOnce.apply(src, idx, inverse() if callable(inverse) else inverse)
 
 
 def _head_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -242,9 +242,6 @@ class Piece:
     start: int
     ctx: int
 
-    def width(self, ctx_len: int) -> int:
-        return ctx_len + self.q1 - self.start
-
 
 @dataclass
 class TrajectoryPlan:

@@ -128,7 +128,7 @@ def test_read_once_gather_backward_equals_the_embedding_backward(seed: int, rows
     padding entries reading any row with a zero upstream gradient (their outputs are never used)."""
     import torch
 
-    from compaction_gym.trainers.replay_onepass import _gather_read_once, _inverse
+    from compaction_gym.trainers.replay_onepass import _inverse, _ReadOnce
 
     g = torch.Generator().manual_seed(seed)
     real = min(real, rows)
@@ -137,7 +137,7 @@ def test_read_once_gather_backward_equals_the_embedding_backward(seed: int, rows
     idx, is_real = idx[order], (torch.arange(idx.numel()) < real)[order]
     src = torch.randn(rows, 5, dtype=torch.float64, generator=g, requires_grad=True)
     upstream = torch.randn(idx.numel(), 5, dtype=torch.float64, generator=g) * is_real[:, None]
-    out = _gather_read_once(src, idx, _inverse(idx, is_real, rows))
+    out = _ReadOnce.apply(src, idx, _inverse(idx, is_real, rows))
     (grad,) = torch.autograd.grad(out, src, upstream)
     want_out = torch.nn.functional.embedding(idx, src)
     (want,) = torch.autograd.grad(want_out, src, upstream)
