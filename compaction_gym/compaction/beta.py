@@ -239,8 +239,9 @@ def regularised_system(
     ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path)."""
     t = gram.shape[-1]
     rho = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / t
-    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
-    return gram + rho[:, None, None] * eye, rhs + rho[:, None]
+    out = gram.clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(rho[:, None])
+    return out, rhs + rho[:, None]
 
 
 def keep_if_better(w: torch.Tensor, gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -248,8 +249,8 @@ def keep_if_better(w: torch.Tensor, gram: torch.Tensor, rhs: torch.Tensor) -> to
     (no host synchronisation; shared with the GPU fast path)."""
     ones = torch.ones_like(w)
 
-    def objective(x: torch.Tensor) -> torch.Tensor:
-        return 0.5 * torch.einsum("bi,bij,bj->b", x, gram, x) - (rhs * x).sum(-1)
+    def objective(x: torch.Tensor) -> torch.Tensor:  # a product, not einsum: its path search costs ~0.6 ms
+        return 0.5 * (x * torch.bmm(gram, x[:, :, None])[..., 0]).sum(-1) - (rhs * x).sum(-1)
 
     good = w.isfinite().all(-1) & (objective(torch.nan_to_num(w)) <= objective(ones))
     return torch.where(good[:, None], w, ones)

@@ -53,8 +53,8 @@ def normal_matrix(
     gram = x.mT @ x
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
     lam = torch.maximum(relative_ridge(x, ridge, probes) * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
-    eye = torch.eye(t, dtype=x.dtype, device=x.device)
-    return gram + lam[:, None, None] * eye, lam
+    gram.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])  # the product's own buffer
+    return gram, lam
 
 
 def cholesky_solve_ex(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,8 @@ logprobs within float32 / bf16 tolerance); ``compact_fast`` with ``compact``; an
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -123,10 +125,15 @@ def test_nnls_fista_kernel_matches_torch_loop(t):
     g = torch.Generator(device="cuda").manual_seed(t)
     a = torch.rand(6, 512, t, generator=g, device=CUDA) ** 4
     gram, rhs = a.mT @ a, a.sum(1)
-    for g_dtype in (torch.float32, torch.float16):
+    for g_dtype in (torch.float32, torch.float16):  # float16 with t ≤ 256: Ĝ resident, tensor-core products
         out = nnls_fista(gram, rhs, 64, g_dtype=g_dtype)
         ref = nnls_fista_torch(gram, rhs, 64, g_dtype=g_dtype)
         assert bool((out >= 0).all()) and rel(out, ref) < 1e-3
+        box = dict(lower=math.exp(-3), upper=math.exp(3))  # β's box, binding on some variables
+        out = nnls_fista(gram, rhs, 64, g_dtype=g_dtype, **box)
+        ref = nnls_fista_torch(gram, rhs, 64, g_dtype=g_dtype, **box)
+        assert bool((out >= box["lower"] * (1 - 1e-6)).all()) and bool((out <= box["upper"] * (1 + 1e-6)).all())
+        assert rel(out, ref) < 1e-3
 
     def objective(w):
         return ((a @ w[:, :, None])[..., 0] - 1).pow(2).sum().item()

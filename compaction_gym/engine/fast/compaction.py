@@ -10,8 +10,10 @@ all layers × KV heads at once, without materialising the probe × key logits:
 2. ``_importance_kernel`` (one program per block of span keys) recomputes the span logits tile
    by tile and sums ``exp(2 (S − lse_all))`` over the probes: RMS attention up to a constant, so
    the top-t set is the same;
-3. the kept keys' logits ``S_sel`` (a ``[B, n, t]`` product) give the β design
-   ``A = exp(S_sel − lse_span)`` and C2's design ``softmax(S_sel + β)``. β's fit is the package's
+3. the kept keys' logits ``S_sel`` give the β design ``A = exp(S_sel − lse_span)``
+   (``_design_kernel``, written straight in bf16 for half-precision caches) and C2's design
+   ``softmax(S_sel + β)`` (``_kept_softmax_kernel``); both gather the kept keys and recompute their
+   logits on the tensor cores, so ``S_sel`` is never stored. β's fit is the package's
    (same box ``w ∈ [e⁻³, e³]``, ridge toward ``w = 1``, probe guard and ``w = 1`` safeguard,
    :func:`~compaction_gym.compaction.beta.beta_weights`), solved on the Gram matrix ``AᵀA`` (one
    batched product, bf16 operands for half-precision caches) by a fixed number of box-projected
@@ -43,7 +45,6 @@ from compaction_gym.compaction.beta import (
     probe_guard,
     regularised_system,
 )
-from compaction_gym.compaction.scoring import half_product
 from compaction_gym.compaction.values import ridge_solve_ex
 from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
@@ -154,6 +155,91 @@ if HAS_TRITON:
             acc += tl.sum(tl.where(mmask[:, None], a, 0.0), axis=0)
         tl.store(OUT + b * (e - s) + cols - s, tl.sqrt(acc / n), mask=cmask)
 
+    @triton.jit
+    def _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt, t,
+                      scale_log2, HAS_BETA: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """Base-2 logits ``[BLOCK_M, BLOCK_N]`` of probes ``offs_m`` against the kept keys ``cols`` (+ β)."""
+        offs_d = tl.arange(0, D)
+        cmask = cols < t
+        idx = tl.load(IDX + b * t + cols, mask=cmask, other=0)
+        q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qn + offs_d[None, :], mask=mmask[:, None], other=0.0)
+        k = tl.load(K + b * stride_kb + idx[None, :] * stride_kt + offs_d[:, None], mask=cmask[None, :], other=0.0)
+        st = mma(q, k, IEEE) * scale_log2
+        if HAS_BETA:
+            st += tl.load(BETA + b * t + cols, mask=cmask, other=0.0)[None, :] * 1.4426950408889634
+        return st
+
+    @triton.jit(do_not_specialize=["n", "t"])
+    def _design_kernel(
+        Q, K, IDX, BETA, LSE, MASK, OUT,
+        stride_qb, stride_qn, stride_kb, stride_kt, n, t, scale_log2,
+        HAS_BETA: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """β's design ``exp(S_sel + β_old − lse_span)`` ``[B, n, t]`` (zero on padding probes)."""
+        mb = tl.program_id(0)
+        cb = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = offs_m < n
+        st = _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt, t,
+                           scale_log2, HAS_BETA, D, IEEE)  # fmt: skip
+        lse2 = tl.load(LSE + b * n + offs_m, mask=mmask, other=0.0) * 1.4426950408889634
+        keep = mmask
+        if HAS_MASK:
+            keep = keep & (tl.load(MASK + b * n + offs_m, mask=mmask, other=0) != 0)
+        a = tl.where(keep[:, None], tl.exp2(st - lse2[:, None]), 0.0)
+        out = OUT + b * n * t + offs_m[:, None] * t + cols[None, :]
+        tl.store(out, a.to(OUT.dtype.element_ty), mask=mmask[:, None] & (cols[None, :] < t))
+
+    @triton.jit(do_not_specialize=["n", "t"])
+    def _kept_softmax_kernel(
+        Q, K, IDX, BETA, MASK, OUT,
+        stride_qb, stride_qn, stride_kb, stride_kt, n, t, scale_log2,
+        HAS_BETA: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, IEEE: tl.constexpr, ONE_TILE: tl.constexpr,
+    ):  # fmt: skip
+        """C2's design ``softmax(S_sel + β)`` ``[B, n, t]`` float32 (zero on padding probes): in one
+        tile when ``t ≤ BLOCK_N``, else the row's log-sum-exp online over the kept keys, then the
+        probabilities."""
+        mb = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < n
+        keep = mmask
+        if HAS_MASK:
+            keep = keep & (tl.load(MASK + b * n + offs_m, mask=mmask, other=0) != 0)
+        if ONE_TILE:  # every kept key in one tile: the logits are computed once
+            cols = tl.arange(0, BLOCK_N)
+            st = _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt,
+                               t, scale_log2, HAS_BETA, D, IEEE)  # fmt: skip
+            st = tl.where(cols[None, :] < t, st, float("-inf"))
+            m_i = tl.max(st, axis=1)
+            p = tl.exp2(st - m_i[:, None])
+            x = tl.where(keep[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
+            out = OUT + b * n * t + offs_m[:, None] * t + cols[None, :]
+            tl.store(out, x, mask=mmask[:, None] & (cols[None, :] < t))
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            for c0 in range(0, t, BLOCK_N):
+                cols = c0 + tl.arange(0, BLOCK_N)
+                st = _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt,
+                                   t, scale_log2, HAS_BETA, D, IEEE)  # fmt: skip
+                st = tl.where(cols[None, :] < t, st, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(st, axis=1))
+                l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(st - m_new[:, None]), axis=1)
+                m_i = m_new
+            lse2 = m_i + tl.log2(l_i)
+            for c0 in range(0, t, BLOCK_N):
+                cols = c0 + tl.arange(0, BLOCK_N)
+                st = _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt,
+                                   t, scale_log2, HAS_BETA, D, IEEE)  # fmt: skip
+                x = tl.where(keep[:, None], tl.exp2(st - lse2[:, None]), 0.0)
+                out = OUT + b * n * t + offs_m[:, None] * t + cols[None, :]
+                tl.store(out, x, mask=mmask[:, None] & (cols[None, :] < t))
+
 
 def _span_stats(
     keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, span: tuple[int, int], scale: float,
@@ -181,7 +267,7 @@ def _span_stats(
         queries, keys, values, kb, lse_all, lse_span, y,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         kb.stride(0), y.stride(0), y.stride(1), n, T, s, e, scale * 1.4426950408889634,
-        BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, num_warps=4, num_stages=2, **common,
+        BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, num_warps=4, num_stages=2 if ieee else 3, **common,
     )  # fmt: skip
     if query_mask is not None:
         lse_all.masked_fill_(~query_mask, float("inf"))
@@ -194,15 +280,61 @@ def _span_stats(
     return lse_all, lse_span, y, imp
 
 
-def _logits_at(
-    keys: torch.Tensor, queries: torch.Tensor, indices: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Raw float32 logits ``[B, n, t]`` of the probes against the keys at ``indices``."""
-    kept = torch.gather(keys, 1, indices[:, :, None].expand(-1, -1, keys.shape[2]))
-    raw = half_product(queries, kept)
-    if raw is None:
-        raw = torch.bmm(queries.float(), kept.float().transpose(1, 2))
-    return raw * scale
+def _kept_launch(
+    kernel, grid, keys: torch.Tensor, queries: torch.Tensor, indices: torch.Tensor, beta: torch.Tensor | None,
+    query_mask: torch.Tensor | None, out: torch.Tensor, scale: float, *extra: torch.Tensor,
+    block_n: int | None = None, **constexprs: object,
+) -> torch.Tensor:  # fmt: skip
+    """Launch a kept-key kernel (:func:`_kept_design`, :func:`_kept_softmax`) over ``out [B, n, t]``
+    (``block_n``: the key tile, default 32 / 64 for float32 / half caches)."""
+    n, t, d = queries.shape[1], indices.shape[1], keys.shape[-1]
+    ieee = keys.dtype == torch.float32
+    block_m = 32 if ieee else 64
+    block_n = block_n or (32 if ieee else 64)
+    dummy = out  # never read: HAS_BETA / HAS_MASK off
+    kernel[grid(block_m, block_n)](
+        queries, keys, indices, beta if beta is not None else dummy, *extra,
+        query_mask if query_mask is not None else dummy, out,
+        queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), n, t, scale * 1.4426950408889634,
+        HAS_BETA=beta is not None, HAS_MASK=query_mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+        IEEE=ieee, num_warps=4 if block_n <= 64 else 8, num_stages=2, **constexprs,
+    )  # fmt: skip
+    return out
+
+
+def _kept_design(
+    keys: torch.Tensor, queries: torch.Tensor, indices: torch.Tensor, old_beta: torch.Tensor | None,
+    lse_span: torch.Tensor, scale: float, query_mask: torch.Tensor | None, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """β's design ``exp(S_sel + β_old − lse_span)`` ``[B, n, t]`` in ``dtype``, zero on padding probes
+    (one kernel: the kept keys' logits are never stored)."""
+    batch, n, t = queries.shape[0], queries.shape[1], indices.shape[1]
+    out = torch.empty(batch, n, t, dtype=dtype, device=keys.device)
+
+    def grid(bm: int, bn: int) -> tuple[int, int, int]:
+        return triton.cdiv(n, bm), triton.cdiv(t, bn), batch
+
+    return _kept_launch(_design_kernel, grid, keys, queries, indices, old_beta, query_mask, out, scale, lse_span)
+
+
+def _kept_softmax(
+    keys: torch.Tensor, queries: torch.Tensor, indices: torch.Tensor, beta: torch.Tensor | None, scale: float,
+    query_mask: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """C2's design ``softmax(S_sel + β)`` ``[B, n, t]`` float32 over the kept keys, zero on padding
+    probes (one kernel)."""
+    batch, n, t = queries.shape[0], queries.shape[1], indices.shape[1]
+    out = torch.empty(batch, n, t, dtype=torch.float32, device=keys.device)
+
+    def grid(bm: int, bn: int) -> tuple[int, int]:
+        return triton.cdiv(n, bm), batch
+
+    one_tile = keys.dtype != torch.float32 and t <= 256
+    block_n = max(16, triton.next_power_of_2(t)) if one_tile else None
+    return _kept_launch(
+        _kept_softmax_kernel, grid, keys, queries, indices, beta, query_mask, out, scale, block_n=block_n,
+        ONE_TILE=one_tile,
+    )  # fmt: skip
 
 
 def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +371,14 @@ def fast_beta_weights(
     design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
     if query_mask is not None:
         design.mul_(query_mask[:, :, None])
-    gram, rhs = regularised_system(*_gram(design.to(torch.bfloat16) if half else design), BETA_RIDGE)
+    return _weights_from_design(design.to(torch.bfloat16) if half else design, half, iters, query_mask)
+
+
+def _weights_from_design(
+    design: torch.Tensor, half: bool, iters: int, query_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`fast_beta_weights` from its design ``[B, n, t]`` (bf16 when ``half``; zero rows on padding)."""
+    gram, rhs = regularised_system(*_gram(design), BETA_RIDGE)
     w = nnls_fista(
         gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
         lower=math.exp(BETA_BOUNDS[0]), upper=math.exp(BETA_BOUNDS[1]),
@@ -305,25 +444,24 @@ def compact_fast(
     lse_all, lse_span, y, imp = _span_stats(keys, values, queries, span, scale, key_bias, query_mask)
     local = torch.topk(imp, target, dim=-1, sorted=False).indices
     indices = torch.sort(local, dim=-1).values + start
-    raw = _logits_at(keys, queries, indices, scale)  # [B, n, t]
     old_beta = torch.gather(key_bias.float(), 1, indices) if key_bias is not None else None
-    biased = raw + old_beta[:, None, :] if old_beta is not None else raw
-    beta = None
+    beta = old_beta
     if compute_beta:
-        w = fast_beta_weights(
-            biased, lse_span, half=keys.dtype != torch.float32, iters=beta_iters, query_mask=query_mask
-        )
+        half = keys.dtype != torch.float32
+        batch, n = queries.shape[:2]
+        if n < BETA_MIN_PROBES_PER_KEY * target:  # probe guard: keep the old bias
+            w = torch.ones(batch, target, dtype=torch.float32, device=keys.device)
+        else:
+            dtype = torch.bfloat16 if half else torch.float32
+            design = _kept_design(keys, queries, indices, old_beta, lse_span, scale, query_mask, dtype)
+            w = _weights_from_design(design, half, beta_iters, query_mask)
         beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
         if old_beta is not None:
             beta = beta + old_beta
         beta = beta.clamp(-BETA_CLAMP, BETA_CLAMP)
-        x = torch.softmax(raw + beta[:, None, :], dim=-1)
-    else:
-        x = torch.softmax(biased, dim=-1)
-    if query_mask is not None:  # padding probes leave the C2 solve (and its relative ridge's probe count)
-        keep = query_mask[:, :, None]
-        x.mul_(keep)  # in place: both are this call's own [B, n, ·] buffers
-        y.mul_(keep)
+    x = _kept_softmax(keys, queries, indices, beta, scale, query_mask)
+    if query_mask is not None:  # padding probes leave the C2 solve (x's rows are already zero)
+        y.mul_(query_mask[:, :, None])
     gather = indices[:, :, None].expand(-1, -1, d)
     # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values.
     # The real probes are known (a softmax row is never all zero), so no pass over x counts them.
