@@ -20,10 +20,10 @@ Cholesky of ``[B, t, t]``, which on a GPU costs milliseconds at ``t = 256``. Her
 ``T`` (one scaling kernel writes it from ``G``). With float16 storage (half-precision callers:
 its entries lie in ``[0, 1]``) and ``T ≤ 256``, ``Ĝ`` is loaded once and every product is a
 tensor-core product ``Ĝ [v_hi, v_lo]`` with the iterate split into two float16 parts after scaling
-by its largest entry (exact to ~2⁻²² of it, float32 accumulation): 0.62 instead of 1.15 ms
-at the 4B event shape (H100). Otherwise ``Ĝ`` is streamed from L2 in row blocks at each product and the iterate
-goes through a two-slot scratch vector between products. The torch loop :func:`nnls_fista_torch`
-computes the same iteration and is the fallback.
+by its largest entry (exact to ~2⁻²² of it, float32 accumulation): 0.62 instead of 1.15 ms at the
+4B event shape (H100). Otherwise ``Ĝ`` is streamed from L2 in row blocks at each product and the
+iterate goes through a two-slot scratch vector between products. The torch loop
+:func:`nnls_fista_torch` computes the same iteration and is the fallback.
 
 With 128 iterations the span-mass objective is within 0.1 % of the fully converged projected
 Newton solution on the benchmark's problems (condition numbers ~10³), see docs/fast-path.md.
