@@ -293,8 +293,8 @@ def _kept_launch(
     block_n = block_n or (32 if ieee else 64)
     dummy = out  # never read: HAS_BETA / HAS_MASK off
     kernel[grid(block_m, block_n)](
-        queries, keys, indices, beta if beta is not None else dummy, *extra,
-        query_mask if query_mask is not None else dummy, out,
+        queries, keys, indices.contiguous(), beta.contiguous() if beta is not None else dummy, *extra,
+        query_mask.contiguous() if query_mask is not None else dummy, out,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), n, t, scale * 1.4426950408889634,
         HAS_BETA=beta is not None, HAS_MASK=query_mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
         IEEE=ieee, num_warps=4 if block_n <= 64 else 8, num_stages=2, **constexprs,
@@ -314,6 +314,7 @@ def _kept_design(
     def grid(bm: int, bn: int) -> tuple[int, int, int]:
         return triton.cdiv(n, bm), triton.cdiv(t, bn), batch
 
+    lse_span = lse_span.contiguous()
     return _kept_launch(_design_kernel, grid, keys, queries, indices, old_beta, query_mask, out, scale, lse_span)
 
 
