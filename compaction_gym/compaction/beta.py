@@ -236,12 +236,12 @@ def regularised_system(
     gram: torch.Tensor, rhs: torch.Tensor, ridge: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(AᵀA + ρI, Aᵀ1 + ρ1)``, ``ρ = ridge · trace(AᵀA) / t``: the normal equations of
-    ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path)."""
+    ``‖Aw − 1‖² + ρ‖w − 1‖²`` (shared with the GPU fast path). ``ρ`` is added to ``gram``'s
+    diagonal in place: callers pass a product of their own."""
     t = gram.shape[-1]
     rho = ridge * torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1) / t
-    out = gram.clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(rho[:, None])
-    return out, rhs + rho[:, None]
+    gram.diagonal(dim1=-2, dim2=-1).add_(rho[:, None])
+    return gram, rhs + rho[:, None]
 
 
 def keep_if_better(w: torch.Tensor, gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:

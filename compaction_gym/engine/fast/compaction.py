@@ -366,9 +366,6 @@ def fast_beta_weights(
     ``query_mask`` (bool ``[B, n]``): padding probes' design rows are zeroed and the probe guard
     counts each row's real probes.
     """
-    batch, n, t = biased.shape
-    if n < BETA_MIN_PROBES_PER_KEY * t:  # probe guard: keep the old bias
-        return torch.ones(batch, t, dtype=torch.float32, device=biased.device)
     design = torch.exp(biased - lse_span[:, :, None])  # the span softmax at the kept keys
     if query_mask is not None:
         design.mul_(query_mask[:, :, None])
@@ -379,7 +376,10 @@ def _weights_from_design(
     design: torch.Tensor, half: bool, iters: int, query_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """:func:`fast_beta_weights` from its design ``[B, n, t]`` (bf16 when ``half``; zero rows on padding)."""
-    gram, rhs = regularised_system(*_gram(design), BETA_RIDGE)
+    batch, n, t = design.shape
+    if n < BETA_MIN_PROBES_PER_KEY * t:  # probe guard: keep the old bias
+        return torch.ones(batch, t, dtype=torch.float32, device=design.device)
+    gram, rhs = regularised_system(*_gram(design), BETA_RIDGE)  # _gram's own buffers: ρ added in place
     w = nnls_fista(
         gram, rhs, iters, g_dtype=torch.float16 if half else torch.float32,
         lower=math.exp(BETA_BOUNDS[0]), upper=math.exp(BETA_BOUNDS[1]),
@@ -449,13 +449,9 @@ def compact_fast(
     beta = old_beta
     if compute_beta:
         half = keys.dtype != torch.float32
-        batch, n = queries.shape[:2]
-        if n < BETA_MIN_PROBES_PER_KEY * target:  # probe guard: keep the old bias
-            w = torch.ones(batch, target, dtype=torch.float32, device=keys.device)
-        else:
-            dtype = torch.bfloat16 if half else torch.float32
-            design = _kept_design(keys, queries, indices, old_beta, lse_span, scale, query_mask, dtype)
-            w = _weights_from_design(design, half, beta_iters, query_mask)
+        dtype = torch.bfloat16 if half else torch.float32
+        design = _kept_design(keys, queries, indices, old_beta, lse_span, scale, query_mask, dtype)
+        w = _weights_from_design(design, half, beta_iters, query_mask)
         beta = torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))
         if old_beta is not None:
             beta = beta + old_beta
