@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -32,16 +33,23 @@ def relative_ridge(x: torch.Tensor, ridge: float, probes: torch.Tensor | None = 
 
 
 def ridge_system(
-    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float, probes: torch.Tensor | None = None
+    x: torch.Tensor,
+    y: torch.Tensor,
+    prior: torch.Tensor,
+    ridge: float,
+    probes: torch.Tensor | None = None,
+    products: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The normal equations of :func:`ridge_solve`: ``(xᵀx + λI, xᵀy + λ·prior, λ)``, batched.
 
     ``λ = relative_ridge(x, ridge, probes) · trace(xᵀx) / t`` (:func:`relative_ridge`), floored at
     ``10·eps·trace(xᵀx)`` so a singular ``xᵀx`` (``ridge=0`` with duplicate keys or fewer probes
-    than keys) still factors.
+    than keys) still factors. ``products``: ``(xᵀx, xᵀy)`` when the caller computed them (the GPU
+    fast path's kernels); they become the returned buffers.
     """
-    a, lam = normal_matrix(x, ridge, probes)
-    return a, x.mT @ y + lam[:, None, None] * prior, lam
+    gram, xty = products if products is not None else (x.mT @ x, x.mT @ y)
+    a, lam = _add_ridge(gram, x, ridge, probes)
+    return a, xty.add_(lam[:, None, None] * prior), lam
 
 
 def normal_matrix(
@@ -49,8 +57,13 @@ def normal_matrix(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The left-hand side ``xᵀx + λI`` of :func:`ridge_system` and ``λ`` ``[B]`` (``probes``: the
     real probes per problem, when known, as :func:`relative_ridge` takes them)."""
+    return _add_ridge(x.mT @ x, x, ridge, probes)
+
+
+def _add_ridge(
+    gram: torch.Tensor, x: torch.Tensor, ridge: float, probes: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     t = x.shape[-1]
-    gram = x.mT @ x
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)
     lam = torch.maximum(relative_ridge(x, ridge, probes) * trace / t, 10 * torch.finfo(x.dtype).eps * trace)
     gram.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])  # the product's own buffer
@@ -99,13 +112,22 @@ def _factor_inverse_lower(chol: torch.Tensor) -> torch.Tensor:
 
 
 def ridge_solve_ex(
-    x: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, ridge: float, probes: torch.Tensor | None = None
+    x: torch.Tensor,
+    y: torch.Tensor,
+    prior: torch.Tensor,
+    ridge: float,
+    probes: torch.Tensor | None = None,
+    *,
+    products: tuple[torch.Tensor, torch.Tensor] | None = None,
+    solve: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ridge_solve` without a host synchronisation (the GPU fast path's C2): a problem
     whose normal equations do not factor gets ``prior``. Returns ``(c, ok, λ)`` (``probes``: as
-    :func:`relative_ridge` takes them, when the caller knows them)."""
-    a, rhs, lam = ridge_system(x, y, prior, ridge, probes)
-    sol, ok = cholesky_solve_ex(a, rhs)
+    :func:`relative_ridge` takes them, when the caller knows them; ``products``: as
+    :func:`ridge_system` takes them; ``solve``: :func:`cholesky_solve_ex`'s contract, by default
+    itself, and it may overwrite the system, which is this call's own buffer)."""
+    a, rhs, lam = ridge_system(x, y, prior, ridge, probes, products)
+    sol, ok = (solve or cholesky_solve_ex)(a, rhs)
     return torch.where(ok[:, None, None], sol, prior), ok, lam
 
 

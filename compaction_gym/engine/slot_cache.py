@@ -180,8 +180,12 @@ class SlotKVCache:
         tail = old - end
         new = start + t + tail
         if tail and t != end - start:
+            # overlapping rows go through a copy; disjoint ones (a suffix no longer than what the span
+            # gave up) are copied directly: one pass over the suffix instead of two
+            disjoint = new <= end or old <= start + t
             for buf in (self.k, self.v, self.beta):
-                buf[slot, :, :, start + t : new] = buf[slot, :, :, end:old].clone()
+                moved = buf[slot, :, :, end:old]
+                buf[slot, :, :, start + t : new] = moved if disjoint else moved.clone()
         if t:
             self.k[slot, :, :, start : start + t] = keys.reshape(*lay, t, -1).to(self.k.dtype)
             self.v[slot, :, :, start : start + t] = values.reshape(*lay, t, -1).to(self.v.dtype)

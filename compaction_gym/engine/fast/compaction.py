@@ -18,11 +18,12 @@ all layers × KV heads at once, without materialising the probe × key logits:
    :func:`~compaction_gym.compaction.beta.beta_weights`), solved on the Gram matrix ``AᵀA`` (one
    batched product, bf16 operands for half-precision caches) by a fixed number of box-projected
    FISTA iterations in one Triton kernel (:mod:`~compaction_gym.engine.fast.nnls`: no
-   factorisation, no host sync); C2 is the package's own solve without a host sync
-   (:func:`~compaction_gym.compaction.values.ridge_solve_ex`: ridge toward the kept rows' values,
-   a batched Cholesky factor and two triangular solves): a problem that does not factor (never
-   seen with the ridge floor) keeps its selected rows' values instead of the reference's
-   pseudo-inverse fallback.
+   factorisation, no host sync); C2 is the package's own ridge system without a host sync
+   (:func:`~compaction_gym.compaction.values.ridge_solve_ex`: ridge toward the kept rows' values)
+   with its products and its Cholesky solve as Triton kernels (:mod:`~compaction_gym.engine.fast.ridge`;
+   both designs are written with the probes contiguous for the tensor cores): a problem that does
+   not factor (never seen with the ridge floor) keeps its selected rows' values instead of the
+   reference's pseudo-inverse fallback.
 
 Products of bf16 keys and queries are exact in the kernels' float32 accumulators, so the scores
 match the reference's float32 scores to rounding. Other modes, CPU tensors and machines without
@@ -48,6 +49,7 @@ from compaction_gym.compaction.beta import (
 from compaction_gym.compaction.values import ridge_solve_ex
 from compaction_gym.engine.fast.kernels import HAS_TRITON, use_triton
 from compaction_gym.engine.fast.nnls import FISTA_ITERS, nnls_fista
+from compaction_gym.engine.fast.ridge import cholesky_solve, normal_products
 
 if HAS_TRITON:
     import triton
@@ -80,7 +82,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["n", "T", "s", "e"])  # sizes vary per event: compile once
     def _stats_kernel(
         Q, K, V, KB, LSE_ALL, LSE_SPAN, Y,
-        stride_qb, stride_qn, stride_kb, stride_kt, stride_vb, stride_vt, stride_kbb, stride_yb, stride_yn,
+        stride_qb, stride_qn, stride_kb, stride_kt, stride_vb, stride_vt, stride_kbb, stride_yb, stride_yn, stride_yd,
         n, T, s, e, scale_log2,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -125,7 +127,7 @@ if HAS_TRITON:
         ln2 = 0.6931471805599453
         tl.store(LSE_ALL + b * n + offs_m, lse_all2 * ln2, mask=mmask)
         tl.store(LSE_SPAN + b * n + offs_m, lse_span2 * ln2, mask=mmask)
-        y_ptr = Y + b * stride_yb + offs_m[:, None] * stride_yn + offs_d[None, :]
+        y_ptr = Y + b * stride_yb + offs_m[:, None] * stride_yn + offs_d[None, :] * stride_yd
         tl.store(y_ptr, acc / l_s[:, None], mask=mmask[:, None])
 
     @triton.jit(do_not_specialize=["n", "s", "e"])
@@ -200,9 +202,9 @@ if HAS_TRITON:
         HAS_BETA: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         D: tl.constexpr, IEEE: tl.constexpr, ONE_TILE: tl.constexpr,
     ):  # fmt: skip
-        """C2's design ``softmax(S_sel + β)`` ``[B, n, t]`` float32 (zero on padding probes): in one
-        tile when ``t ≤ BLOCK_N``, else the row's log-sum-exp online over the kept keys, then the
-        probabilities."""
+        """C2's design ``softmax(S_sel + β)`` ``[B, n, t]`` float32 (zero on padding probes), stored
+        with the probes contiguous (``OUT`` is ``[B, t, n]``): in one tile when ``t ≤ BLOCK_N``,
+        else the row's log-sum-exp online over the kept keys, then the probabilities."""
         mb = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -218,7 +220,7 @@ if HAS_TRITON:
             m_i = tl.max(st, axis=1)
             p = tl.exp2(st - m_i[:, None])
             x = tl.where(keep[:, None], p / tl.sum(p, axis=1)[:, None], 0.0)
-            out = OUT + b * n * t + offs_m[:, None] * t + cols[None, :]
+            out = OUT + b * n * t + offs_m[:, None] + cols[None, :] * n
             tl.store(out, x, mask=mmask[:, None] & (cols[None, :] < t))
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -237,7 +239,7 @@ if HAS_TRITON:
                 st = _kept_logits(Q, K, IDX, BETA, b, offs_m, mmask, cols, stride_qb, stride_qn, stride_kb, stride_kt,
                                    t, scale_log2, HAS_BETA, D, IEEE)  # fmt: skip
                 x = tl.where(keep[:, None], tl.exp2(st - lse2[:, None]), 0.0)
-                out = OUT + b * n * t + offs_m[:, None] * t + cols[None, :]
+                out = OUT + b * n * t + offs_m[:, None] + cols[None, :] * n
                 tl.store(out, x, mask=mmask[:, None] & (cols[None, :] < t))
 
 
@@ -257,7 +259,8 @@ def _span_stats(
     dev = keys.device
     lse_all = torch.empty(batch, n, dtype=torch.float32, device=dev)
     lse_span = torch.empty_like(lse_all)
-    y = torch.empty(batch, n, values.shape[-1], dtype=torch.float32, device=dev)
+    # Y with the probes contiguous (a [B, d_v, n] buffer): what C2's tensor-core products want
+    y = torch.empty(batch, values.shape[-1], n, dtype=torch.float32, device=dev).mT
     imp = torch.empty(batch, e - s, dtype=torch.float32, device=dev)
     ieee = keys.dtype == torch.float32
     kb = key_bias.float().contiguous() if key_bias is not None else lse_all
@@ -266,7 +269,7 @@ def _span_stats(
     _stats_kernel[(triton.cdiv(n, block_m), batch)](
         queries, keys, values, kb, lse_all, lse_span, y,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        kb.stride(0), y.stride(0), y.stride(1), n, T, s, e, scale * 1.4426950408889634,
+        kb.stride(0), *y.stride(), n, T, s, e, scale * 1.4426950408889634,
         BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, num_warps=4, num_stages=2 if ieee else 3, **common,
     )  # fmt: skip
     if query_mask is not None:
@@ -323,19 +326,21 @@ def _kept_softmax(
     query_mask: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """C2's design ``softmax(S_sel + β)`` ``[B, n, t]`` float32 over the kept keys, zero on padding
-    probes (one kernel)."""
+    probes (one kernel), a view of a ``[B, t, n]`` buffer: the probes contiguous, as C2's
+    tensor-core products want them (:func:`~compaction_gym.engine.fast.ridge.normal_products`)."""
     batch, n, t = queries.shape[0], queries.shape[1], indices.shape[1]
-    out = torch.empty(batch, n, t, dtype=torch.float32, device=keys.device)
+    out = torch.empty(batch, t, n, dtype=torch.float32, device=keys.device)
 
     def grid(bm: int, bn: int) -> tuple[int, int]:
         return triton.cdiv(n, bm), batch
 
     one_tile = keys.dtype != torch.float32 and t <= 256
     block_n = max(16, triton.next_power_of_2(t)) if one_tile else None
-    return _kept_launch(
+    _kept_launch(
         _kept_softmax_kernel, grid, keys, queries, indices, beta, query_mask, out, scale, block_n=block_n,
         ONE_TILE=one_tile,
     )  # fmt: skip
+    return out.mT
 
 
 def _gram(design: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,6 +472,7 @@ def compact_fast(
     else:
         probes = query_mask.sum(-1, dtype=x.dtype)
     prior = torch.gather(values, 1, gather).to(x.dtype)
-    fitted = ridge_solve_ex(x, y, prior, ridge, probes)[0].to(values.dtype)
+    fitted = ridge_solve_ex(x, y, prior, ridge, probes, products=normal_products(x, y), solve=cholesky_solve)[0]
+    fitted = fitted.to(values.dtype)
     kept_keys = torch.gather(keys, 1, gather)
     return CompactionResult(kept_keys, fitted, beta if compute_beta else old_beta, indices)
