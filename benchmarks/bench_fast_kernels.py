@@ -11,15 +11,19 @@
   kernel (float32 / float16 ``Ĝ``) vs the torch FISTA loop and the
   package's projected Newton with 2 steps (the fast path's previous solver); objective relative to
   the converged projected Newton.
-* **Cholesky** — ``torch.linalg.cholesky_ex`` of ``[288, 256, 256]`` with cuSOLVER and MAGMA, and
-  C2's ridge solve of that system with 128 right-hand sides: ``cholesky_solve`` (before) vs the
-  fast path's factor + two triangular solves (``cholesky_solve_ex``), error vs float64.
+* **Cholesky** — C2's normal products ``xᵀx``, ``xᵀy`` (``[288, 1024, 256]`` design, 128 targets):
+  torch's float32 products vs :func:`compaction_gym.engine.fast.ridge.normal_products` on either
+  memory layout; ``torch.linalg.cholesky_ex`` of ``[288, 256, 256]`` with cuSOLVER and MAGMA; and
+  C2's ridge solve of that system with 128 right-hand sides: ``cholesky_solve`` (before), cuSOLVER's
+  factor + two triangular solves (``cholesky_solve_ex``) and the fast path's kernels
+  (``ridge.cholesky_solve``), each with its error vs float64.
 * ``--attention``: instead, a grid of decode-attention launches (splits, keys per step, warps,
   pipeline stages) at the runner's shapes (batch 1 / 32, KV 1k / 8k, one layer of a slot cache with
   several layers in rotation), against the runner's choice and the floor = KV bytes ÷ copy bandwidth.
 
 Usage:
     python benchmarks/bench_fast_kernels.py
+    python benchmarks/bench_fast_kernels.py --skip gemv nnls     # C2's products and solve only
 """
 
 from __future__ import annotations
@@ -318,12 +322,32 @@ def bench_nnls(args) -> list[list[object]]:
 @torch.no_grad()
 def bench_cholesky(args) -> list[list[object]]:
     from compaction_gym.compaction.values import ridge_system
+    from compaction_gym.engine.fast.ridge import normal_products
 
     design = nnls_problem()
-    x = torch.softmax(torch.log(design), -1)
+    x = torch.softmax(torch.log(design), -1)  # C2's design softmax(S_sel): the event's [B, n, t]
     y = torch.randn(x.shape[0], x.shape[1], 128, device=x.device)  # C2's targets (d = 128)
-    a, rhs, _ = ridge_system(x, y, 1e-4)  # C2's normal equations
+    prior = torch.randn(x.shape[0], x.shape[2], 128, device=x.device)  # the kept rows' values
     rows = []
+    x64, y64 = x.double(), y.double()
+    ref = (x64.mT @ x64, x64.mT @ y64)
+
+    def err(out: tuple[torch.Tensor, torch.Tensor]) -> str:
+        rel = [((o.double() - r).norm() / r.norm()).item() for o, r in zip(out, ref)]
+        return f"rel. error vs float64 {rel[0]:.1e} / {rel[1]:.1e}"
+
+    # the event writes both designs with the probes contiguous (what the tensor cores take)
+    xt, yt = x.mT.contiguous().mT, y.mT.contiguous().mT
+    for name, fn in (
+        ("C2 products xᵀx, xᵀy: torch float32 (before)", lambda: (x.mT @ x, x.mT @ y)),
+        ("C2 products: normal_products, rows contiguous", lambda: normal_products(x, y)),
+        ("C2 products: normal_products, probes contiguous (used)", lambda: normal_products(xt, yt)),
+    ):
+        out = fn()
+        t = statistics.median(wall_time(fn) for _ in range(args.repeats))
+        rows.append([name, t * 1e3, err(out)])
+        print(rows[-1], flush=True)
+    a, rhs, _ = ridge_system(x, y, prior, 1e-4)  # C2's normal equations
     prev = torch.backends.cuda.preferred_linalg_library()
     for lib in ("cusolver", "magma"):
         try:
@@ -336,30 +360,32 @@ def bench_cholesky(args) -> list[list[object]]:
         finally:
             torch.backends.cuda.preferred_linalg_library(prev)
         print(rows[-1], flush=True)
-    for name, ms, err in c2_solves(a, rhs, args.repeats):
-        rows.append([name, ms, f"rel. error vs float64 {err:.1e}"])
+    for name, ms, error in c2_solves(a, rhs, args.repeats):
+        rows.append([name, ms, f"rel. error vs float64 {error:.1e}"])
         print(rows[-1], flush=True)
     return rows
 
 
 def c2_solves(a: torch.Tensor, rhs: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
-    """C2's ridge system ``a c = rhs`` solved the old way (``cholesky_solve``: MAGMA's triangular
-    solves and a host check) and the fast path's (factor + two triangular solves, no host sync):
-    ms per solve (factorisation included) and relative error against a float64 solve."""
+    """C2's ridge system ``a c = rhs`` solved the old ways (``cholesky_solve``: MAGMA's triangular
+    solves and a host check; ``cholesky_solve_ex``: cuSOLVER's factor and two triangular solves, no
+    host sync) and the fast path's kernels (``engine.fast.ridge.cholesky_solve``): ms per solve
+    (factorisation included; the kernels' copy of ``a``, which they overwrite, timed apart and
+    subtracted) and relative error against a float64 solve."""
     from compaction_gym.compaction.values import cholesky_solve_ex
+    from compaction_gym.engine.fast.ridge import cholesky_solve
 
     ref = torch.linalg.solve(a.double(), rhs.double())
-
-    def old() -> torch.Tensor:
-        return torch.cholesky_solve(rhs, torch.linalg.cholesky_ex(a)[0])
-
-    def new() -> torch.Tensor:
-        return cholesky_solve_ex(a, rhs)[0]
-
+    copy = statistics.median(wall_time(lambda: a.clone()) for _ in range(repeats))
     out = []
-    for name, fn in (("C2 solve: cholesky_ex + cholesky_solve (before)", old), ("C2 solve: cholesky_solve_ex (used)", new)):
+    for name, fn, overhead in (
+        ("C2 solve: cholesky_ex + cholesky_solve (before)",
+         lambda: torch.cholesky_solve(rhs, torch.linalg.cholesky_ex(a)[0]), 0.0),
+        ("C2 solve: cholesky_solve_ex (cuSOLVER, no host sync)", lambda: cholesky_solve_ex(a, rhs)[0], 0.0),
+        ("C2 solve: ridge.cholesky_solve kernels (used)", lambda: cholesky_solve(a.clone(), rhs)[0], copy),
+    ):  # fmt: skip
         sol = fn()
-        t = statistics.median(wall_time(fn) for _ in range(repeats))
+        t = statistics.median(wall_time(fn) for _ in range(repeats)) - overhead
         out.append((name, t * 1e3, ((sol.double() - ref).norm() / ref.norm()).item()))
     return out
 

@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from compaction_gym.compaction.values import cholesky_solve_ex, ridge_system
 from compaction_gym.engine.fast.ridge import cholesky_solve, normal_products
@@ -65,6 +67,33 @@ def test_cholesky_solve_matches_float64(shape):
     err = _rel(sol, ref)
     assert (err <= 20 * cond * EPS32).all(), (err, cond)
     assert (err <= 2 * _rel(torch_sol, ref) + 1e-6).all()
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    t=st.integers(1, 300),
+    n=st.integers(1, 700),
+    w=st.integers(1, 200),
+    ridge=st.sampled_from([1e-6, 1e-4, 1e-2]),
+    seed=st.integers(0, 10_000),
+)
+def test_ridge_kernels_on_any_shape(batch, t, n, w, ridge, seed):
+    """Property: for any sizes (fewer probes than keys included, partial tiles and blocks, one
+    column) the products match float64 and the solve matches a float64 solve of the same float32
+    system to its conditioning, every system flagged good."""
+    x, y, prior = _design(batch, n, t, w, "cuda", seed=seed)
+    gram, xty = normal_products(x.mT.contiguous().mT, y)
+    x64 = x.double()
+    assert _rel(gram, x64.mT @ x64).max() < 5e-7 and _rel(xty, x64.mT @ y.double()).max() < 5e-7
+    a, rhs, _ = ridge_system(x, y, prior, ridge)
+    a64 = a.double()
+    ref = torch.linalg.solve(a64, rhs.double())
+    sol, ok = cholesky_solve(a.clone(), rhs)
+    assert ok.all()
+    err = _rel(sol, ref)
+    assert (err <= 20 * torch.linalg.cond(a64) * EPS32 + 1e-6).all(), err
 
 
 @pytest.mark.gpu

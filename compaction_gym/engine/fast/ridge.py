@@ -4,10 +4,10 @@ An Attention-Matching event refits the kept rows' values by ridge least squares
 (:func:`compaction_gym.compaction.values.ridge_solve_ex`): ``(xᵀx + λI) c = xᵀy + λ·prior`` for
 every layer × KV head, with ``x [B, n, t]`` the kept keys' attention weights and ``y [B, n, d]``
 the span's attention outputs. On cuBLAS/cuSOLVER that is two float32 GEMMs, a batched Cholesky
-and two batched triangular solves: 3.2 ms of a 4B-shaped event (``B = 288``, ``n = 1024``,
-``t = 256``, ``d = 128``) on an H100, in float32 products without tensor cores (1.5 ms) and in
-``potrf`` + ``trsm`` (1.7 ms), which run at a few TFLOP/s on batches of small systems. Here
-instead (0.76 + 0.55 ms):
+and two batched triangular solves: 3.1 ms of a 4B-shaped event (``B = 288``, ``n = 1024``,
+``t = 256``, ``d = 128``) on an H100, in float32 products without tensor cores (1.35 ms) and in
+``potrf`` + ``trsm`` (1.78 ms), which run at a few TFLOP/s on batches of small systems. Here
+instead (0.83 + 0.56 ms, ``benchmarks/bench_fast_kernels.py``):
 
 * :func:`normal_products` — ``xᵀx`` and ``xᵀy`` (two launches) on the tensor cores with
   ``tf32x3`` products (each operand split into a TF32 head and tail, three products: float32
@@ -54,8 +54,8 @@ if HAS_TRITON:
         SYMMETRIC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One ``[BLOCK_I, BLOCK_J]`` tile of ``xᵀz``; ``SYMMETRIC`` (``z = x``): lower tiles only,
-        each also stored at its mirror."""
+        """One ``[BLOCK_I, BLOCK_J]`` tile of ``xᵀz``; ``SYMMETRIC`` (``z = x``): the tiles on and
+        below the diagonal, their lower triangle stored at both places."""
         it = tl.program_id(0)
         jt = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -209,8 +209,8 @@ def _precision(device: torch.device) -> str:
 def normal_products(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xᵀx, xᵀy)`` in float32 for float32 ``x [B, n, t]`` and ``y [B, n, d]`` (two launches on
     CUDA with Triton; ``torch`` products elsewhere). Any strides; the tensor cores want ``n``
-    contiguous (``x.mT`` and ``y.mT`` contiguous, as the event's kernels write them): 0.76 instead
-    of 1.5 ms for torch's float32 products at the 4B event shape (H100), 1.6 ms with rows contiguous."""
+    contiguous (``x.mT`` and ``y.mT`` contiguous, as the event's kernels write them): 0.83 instead
+    of 1.35 ms for torch's float32 products at the 4B event shape (H100), 1.68 ms with rows contiguous."""
     if not (use_triton(x) and x.dtype == y.dtype == torch.float32):
         return x.mT @ x, x.mT @ y
     batch, n, t = x.shape
