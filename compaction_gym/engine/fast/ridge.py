@@ -247,6 +247,7 @@ def cholesky_solve(a: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, to
     common = dict(BS=block, PRECISION=_precision(a.device))
     # the factorisation is a chain of small steps (one warp runs it fastest); the substitutions
     # then run in parallel over column blocks of the right-hand side
+    # (W only sizes the substitutions' tile: any valid value for the factorisation)
     _cholesky_solve_kernel[(batch, 1)](*args, W=16, FACTOR=True, SOLVE=False, num_warps=1, **common)
     grid = (batch, triton.cdiv(w, SOLVE_COLS))
     _cholesky_solve_kernel[grid](*args, W=SOLVE_COLS, FACTOR=False, SOLVE=True, num_warps=4, **common)
