@@ -17,6 +17,15 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
   where the tuner finds it faster, single-launch decode attention where a graph uses one split),
   ``all`` (single-launch attention at every split count too) or ``off``; ``--compare-fusions
   [MODE]`` also times every batch with fusions ``MODE`` (default ``off``) in the same run.
+* batch 1: ``--persistent auto`` (default) lets the runner time the decoder layers as one
+  persistent launch against the layered kernels and use it below the cache length where it stops
+  being faster (``FastDecoder.use_persistent = None``); ``on`` / ``off`` force one; ``--compare-persistent`` also times batch 1 with both
+  forced in the same run (columns "layered" and "one launch") and prints what ``auto`` picked.
+* ``--phases``: also prints, per model and KV length, where the persistent launch's time goes at
+  batch 1: per phase (A q/k/v, B attention, C output projection, D gate/up, E down) the barrier
+  (first program out − last program in) and the slowest program's work, medians over layers, and
+  attention's steps (q/k rotated, keys done, merge counter, merged), from the kernel's own
+  global-timer stamps (``persistent_layers(timings=...)``).
 * **first run +s**: how much longer the first run of a batch took than a timed one — the
   projections' tuning, Triton compiles (cached on disk after a machine's first run) and the graph
   capture of that batch-size bucket.
@@ -59,8 +68,21 @@ def make_parser() -> argparse.ArgumentParser:
         "--compare-fusions", nargs="?", const="off", choices=("default", "all", "off"),
         help="also time every batch with these fusions (default: off) in the same run",
     )  # fmt: skip
+    p.add_argument(
+        "--persistent", choices=("auto", "on", "off"), default="auto",
+        help="batch 1: the decoder layers as one persistent launch (auto: where the runner timed it faster)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compare-persistent", action="store_true",
+        help="also time batch 1 with the persistent launch forced off and on in the same run",
+    )  # fmt: skip
+    p.add_argument("--phases", action="store_true", help="also print the persistent launch's per-phase times")
     p.add_argument("--profile", action="store_true", help="also print each batch's per-kernel time breakdown")
     return p
+
+
+#: ``--persistent`` → ``FastDecoder.use_persistent``
+PERSISTENT = {"auto": None, "on": True, "off": False}
 
 
 def set_fusions(runner, mode: str) -> None:
@@ -153,6 +175,42 @@ def kernel_profile(run: Callable[[], None], steps: int, title: str) -> None:
 
 
 @torch.no_grad()
+def phase_profile(runner, kv: int, title: str) -> None:
+    """Print the persistent launch's phase times for one row of ``kv`` cached rows (slot 0, its last row free)."""
+    from compaction_gym.engine.fast.persistent import build_plan, persistent_layers, persistent_supported
+
+    dec, c = runner.decoder, runner.cache
+    reason = persistent_supported(dec)
+    if reason is not None:
+        print(f"{title}: no persistent launch ({reason})", flush=True)
+        return
+    plan = build_plan(dec)
+    t = lambda v: torch.tensor([v], device="cuda")  # noqa: E731
+    inputs = (t(11), t(kv), t(0), t(c.capacity - 1), t(kv), c.k, c.v, c.beta)
+    stamps = torch.zeros(dec.sm_count, 4096, dtype=torch.int64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            persistent_layers(dec, plan, *inputs)
+        persistent_layers(dec, plan, *inputs, timings=stamps)
+    torch.cuda.synchronize()
+    ts = stamps.double().cpu() / 1e3  # µs
+    n_layers, barriers = dec.n_layers, 5 * dec.n_layers
+    arrive, leave, after = ts[:, 0 : 2 * barriers : 2], ts[:, 1 : 2 * barriers : 2], ts[:, 2 : 2 * barriers + 1 : 2]
+    wait = leave.min(0).values - arrive.max(0).values
+    work = (after - leave).max(0).values
+    rows = []
+    for j, phase in enumerate(("A q/k/v", "B attention", "C output", "D gate/up", "E down")):
+        rows.append([phase, wait[j::5][1:].median().item(), work[j::5][1:].median().item()])
+    span = (ts[:, 2 * barriers].max() - ts[:, 0].min()).item()
+    print_table(["phase", "barrier µs", "work µs (slowest program)"], rows, title=f"{title}: persistent launch {span:.0f} µs")
+    b_leave = leave[:, 1::5].min(0).values  # per layer: the first program out of the barrier before B
+    marks = [ts[:, 3000 + k : 3000 + 4 * n_layers : 4] - b_leave for k in range(4)]
+    steps = ("q/k rotated", "keys done", "merge counter", "merged")
+    cells = [m[m > -1e6].median().item() if k < 3 else (m[ts[:, 3003 : 3000 + 4 * n_layers : 4] > 0]).median().item()
+             for k, m in enumerate(marks)]  # fmt: skip
+    print(f"{title}: attention after its barrier (µs, medians): " + ", ".join(f"{s} {v:.2f}" for s, v in zip(steps, cells)))
+
+
 def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
     from compaction_gym.engine.fast.gemv import GEMV_MAX_M
     from compaction_gym.engine.fast.runner import FastModelRunner
@@ -176,7 +234,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         batches = [b for b in args.batches if b <= fits]
         for b in args.batches:
             if b > fits:
-                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", "", ""])
+                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", "", "", "", "", ""])
         if not batches:
             continue
         cache = SlotKVCache(
@@ -186,6 +244,8 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         cache.v.normal_()
         runner = FastModelRunner(model, cache, layout)
         set_fusions(runner, args.fusions)
+        mode = PERSISTENT[args.persistent]
+        runner.decoder.use_persistent = mode
         weight_bytes = runner.decoder.weight_bytes()
         for b in batches:
             step, setup = time_generate(runner, b, kv, args.steps, args.repeats)
@@ -201,15 +261,31 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                 set_fusions(runner, args.compare_fusions)
                 unfused = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
                 set_fusions(runner, args.fusions)
+            forced = {}
+            if args.compare_persistent and b == 1:
+                for use in (False, True):
+                    runner.decoder.use_persistent = use
+                    runner.recapture()
+                    forced[use] = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
+                runner.decoder.use_persistent = mode
+                runner.recapture()
+            dec = runner.decoder
+            pick = (dec.persistent_max_len is not None and kv < dec.persistent_max_len) if mode is None else mode
             kv_read = b * (kv + args.steps / 2) * kv_bytes_per_token(layout)
             floor = (weight_bytes + kv_read) / bandwidth
             hf_tps = hf.get((b, kv))
             tps = b / step
             rows.append([
                 name, b, kv, tps, step * 1e3, floor * 1e3, step / floor,
-                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused, setup,
+                hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
+                forced.get(False, ""), forced.get(True, ""), ("one launch" if pick else "layered") if b == 1 else "", setup,
             ])  # fmt: skip
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
+            if b == 1:
+                times = {f"{'one launch' if k[0] else 'layered'} @ {k[1]}": f"{v * 1e3:.3f} ms" for k, v in dec.persistent_times.items()}
+                print(f"[{name}] batch 1 ran {'one launch' if pick else 'layered'} (below {dec.persistent_max_len} rows: one launch; timed {times})", flush=True)
+            if args.phases and b == 1:
+                phase_profile(runner, kv, f"[{name}] kv {kv}")
             if args.profile:
                 kernel_profile(decode_run(runner, b, kv, args.steps), args.steps, f"[{name}] batch {b} kv {kv}")
         chosen = {k: v[1] for k, v in runner.decoder._gemv_choice.items() if v}
@@ -236,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     headers = [
         "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
-        "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step", "first run +s",
+        "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step", "layered ms/step", "one launch ms/step",
+        "batch 1 ran", "first run +s",
     ]  # fmt: skip
     print_table(
         headers,
         rows,
         title=f"Decode, {device_line()}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.steps} greedy steps"
-        + f"; fusions {args.fusions}",
+        + f"; fusions {args.fusions}; persistent {args.persistent}",
     )
     return 0
 

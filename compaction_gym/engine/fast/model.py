@@ -27,6 +27,12 @@ import torch
 
 from compaction_gym.engine.fast.gemv import GEMV_CANDIDATES, GEMV_MAX_M, gemv, gemv_supported
 from compaction_gym.engine.fast.kernels import qkv_rope_store, rms_norm, silu_mul
+from compaction_gym.engine.fast.persistent import (
+    PersistentPlan,
+    build_plan,
+    persistent_layers,
+    persistent_supported,
+)
 
 #: ``config.model_type`` values the fast decoder runs.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -148,6 +154,16 @@ class FastDecoder:
         #: in captured graphs of ≤ 32 rows, gate/up GEMV with the SiLU·mul in its epilogue, where
         #: it measured faster than the projection and ``silu_mul`` run separately
         self.fuse_mlp = fusions
+        #: batch-1 decode graphs with the layers as one persistent launch (:meth:`run_persistent`,
+        #: where :func:`persistent_supported` allows): ``True`` always, ``False`` never, ``None``
+        #: (default) for rows shorter than :attr:`persistent_max_len`;
+        #: ``COMPACTION_GYM_PERSISTENT=1`` / ``0`` in the environment sets ``True`` / ``False``
+        self.use_persistent: bool | None = {"0": False, "1": True}.get(os.environ.get("COMPACTION_GYM_PERSISTENT", ""))
+        #: cached rows below which the persistent launch measured faster (set by the runner's first
+        #: batch-1 capture; ``None``: not timed yet) and its timings ``{(persistent, rows): seconds}``
+        self.persistent_max_len: int | None = None
+        self.persistent_times: dict[tuple[bool, int], float] = {}
+        self._plan: PersistentPlan | None = None
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
         self.graph_mode = False
         self._gemv_choice: dict[tuple, tuple | bool] = {}
@@ -260,6 +276,33 @@ class FastDecoder:
             x, residual = x[last], residual[last]
         y = rms_norm(x, self.norm, self.eps, residual)
         return self._linear(y, self.lm_head)
+
+    def persistent_ready(self) -> bool:
+        """Whether :meth:`run_persistent` is allowed (not turned off) and can run this model here."""
+        return self.use_persistent is not False and persistent_supported(self) is None
+
+    def run_persistent(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        lens: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        beta: torch.Tensor,
+        q_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`run` for one decode token, its layers in one persistent launch; logits ``[1, V]``.
+
+        ``lens`` is the rows attended (the new one included); ``beta`` the cache's β; ``q_out``
+        ``[layers, 1, H_q, d]`` receives the rotated queries (see
+        :func:`~compaction_gym.engine.fast.persistent.persistent_layers`).
+        """
+        if self._plan is None:
+            self._plan = build_plan(self)
+        h = persistent_layers(self, self._plan, ids, positions, slots, rows, lens, k_cache, v_cache, beta, q_out)
+        return self._linear(rms_norm(h, self.norm, self.eps), self.lm_head)
 
     # ------------------------------------------------------------------ projections
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

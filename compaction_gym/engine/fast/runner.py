@@ -170,7 +170,7 @@ class FastModelRunner:
             [[r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens]],
             bucket,
         )
-        g = self._graph(bucket, "logits", False)
+        g = self._graph(bucket, "logits", False, lens[0])
         g.graph.replay()
         logits = g.logits[:batch].to(torch.float32, copy=True)
         self._push_decode_queries(rows)
@@ -194,12 +194,13 @@ class FastModelRunner:
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def _decode_body(self, batch: int, kind: str, record: bool) -> _Graph:
+    def _decode_body(self, batch: int, kind: str, record: bool, persistent: bool = False) -> _Graph:
         """One decode step on the static inputs' first ``batch`` rows (captured as a graph).
 
         ``kind``: ``"logits"`` (stop after the logits) or the sampler variant (``"greedy"``,
         ``"sample"``, ``"filtered"``), which samples and advances the rows (:func:`decode_advance`);
-        ``record``: also copy the step's queries into column ``step`` of the per-step recording.
+        ``record``: also copy the step's queries into column ``step`` of the per-step recording;
+        ``persistent``: one row, its layers in one launch (:meth:`FastDecoder.run_persistent`).
         """
         c, dec = self.cache, self.decoder
         state = self._inputs[:, :batch]
@@ -211,7 +212,9 @@ class FastModelRunner:
             kv = c.k[:, i], c.v[:, i], c.beta[:, i]
             return decode_attention(q, *kv, slots, lens, dec.scale, splits, fused_merge=fused)
 
-        if self._q_rec.dtype == dec.dtype:  # the RoPE kernel writes the queries into the recording buffer
+        if persistent:
+            logits = dec.run_persistent(ids, pos, slots, rows, lens, c.k, c.v, c.beta, q_out=self._q_rec[:, :1])
+        elif self._q_rec.dtype == dec.dtype:  # the RoPE kernel writes the queries into the recording buffer
             logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, q_out=self._q_rec[:, :batch])
         else:
 
@@ -227,9 +230,14 @@ class FastModelRunner:
         decode_advance(tokens, logprobs, state, self._out_tok[:batch], self._out_lp[:batch], self._step)
         return _Graph(None, logits, tokens)
 
-    def _graph(self, bucket: int, kind: str, record: bool) -> _Graph:
-        """The decode graph for ``bucket`` rows, output ``kind`` and ``record`` (captured on first use)."""
-        key = (bucket, kind, record)
+    def _graph(self, bucket: int, kind: str, record: bool, length: int = 0) -> _Graph:
+        """The decode graph for ``bucket`` rows, output ``kind`` and ``record`` (captured on first use);
+        a batch-1 graph for a row of ``length`` cached rows runs its layers as one persistent launch
+        where :meth:`_persistent_for` says so."""
+        return self._graph_for(bucket, kind, record, bucket == 1 and self._persistent_for(length))
+
+    def _graph_for(self, bucket: int, kind: str, record: bool, persistent: bool) -> _Graph:
+        key = (bucket, kind, record, persistent)
         if key in self._graphs:
             return self._graphs[key]
         self._ensure_recording(record)
@@ -237,6 +245,71 @@ class FastModelRunner:
         self._inputs[_SLOT].fill_(-1)  # warm-up and capture must not touch the cache
         self._inputs[_LEN].zero_()
         step, counters = self._step.clone(), self.sampling.counter.clone()
+        try:
+            out = self._capture(bucket, kind, record, persistent)
+        finally:
+            self._inputs.copy_(saved)
+            self._step.copy_(step)
+            self.sampling.counter.copy_(counters)
+        self._graphs[key] = out
+        return out
+
+    def _persistent_for(self, length: int) -> bool:
+        """Whether a batch-1 step over ``length`` cached rows runs its layers as one persistent launch:
+        the decoder's :attr:`~FastDecoder.use_persistent` if set, else whether ``length`` is below the
+        crossover this runner measured (:meth:`_time_persistent`, once per decoder)."""
+        dec = self.decoder
+        if not (dec.persistent_ready() and self._q_rec.dtype == dec.dtype):
+            return False
+        if dec.use_persistent is not None:
+            return dec.use_persistent
+        if dec.persistent_max_len is None:
+            self._time_persistent()
+        return length < dec.persistent_max_len
+
+    def _time_persistent(self) -> None:
+        """Time batch-1 steps with the layers as one persistent launch and as the layered kernels.
+
+        Both are timed at a short and at the longest cached length, reading a slot whose last
+        row is free (the step's K/V go to that row, which no valid entry uses; nothing else is
+        written). Each path's time is taken as linear in the length, and
+        :attr:`FastDecoder.persistent_max_len` is set to where the persistent one stops being ≥ 3 %
+        faster (0: never; past the capacity: always). Without a free row only the weights' share
+        is timed (padding rows). See docs/fast-path.md.
+        """
+        dec, c = self.decoder, self.cache
+        graphs = {use: self._graph_for(1, "logits", False, use) for use in (False, True)}
+        free = [s for s in range(c.k.shape[0]) if c.length(s) < c.capacity]
+        top = c.capacity - 1
+        lengths = sorted({min(1024, top // 2), top}) if free and top >= 2 else [0]
+        saved, step = self._inputs.clone(), self._step.clone()
+        times: dict[tuple[bool, int], float] = {}
+        try:
+            for n in lengths:
+                self._inputs[:_REM, :1] = 0
+                if n:
+                    self._inputs[_SLOT, 0], self._inputs[_ROW, 0], self._inputs[_LEN, 0] = free[0], top, n
+                else:
+                    self._inputs[_SLOT, 0] = -1
+                for _ in range(3):
+                    for use, g in graphs.items():
+                        t = self._replay_seconds(g.graph)
+                        times[use, n] = min(times.get((use, n), float("inf")), t)
+        finally:
+            self._inputs.copy_(saved)
+            self._step.copy_(step)
+        dec.persistent_times = times
+        gain = [times[True, n] - 0.97 * times[False, n] for n in lengths]  # < 0: persistent faster
+        if all(g < 0 for g in gain):
+            dec.persistent_max_len = c.capacity + 1
+        elif all(g >= 0 for g in gain) or len(lengths) == 1:
+            dec.persistent_max_len = 0
+        else:  # faster at the short length only: where the two lines cross
+            (n1, n2), (g1, g2) = lengths, gain
+            dec.persistent_max_len = int(n1 + (n2 - n1) * g1 / (g1 - g2))
+
+    def _capture(self, bucket: int, kind: str, record: bool, persistent: bool) -> _Graph:
+        """Warm up (Triton compiles, projection tuning) and capture one decode body on padding inputs."""
         self._step.zero_()  # the warm-up steps store their tokens at columns 0 and 1
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -244,21 +317,30 @@ class FastModelRunner:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles the Triton kernels and settles cuBLAS workspaces
-                    self._decode_body(bucket, kind, record)
+                    self._decode_body(bucket, kind, record, persistent)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = self._decode_body(bucket, kind, record)
+                out = self._decode_body(bucket, kind, record, persistent)
         finally:
             self.decoder.graph_mode = False
         self._pool = graph.pool()
         torch.cuda.synchronize(self.device)
-        self._inputs.copy_(saved)
-        self._step.copy_(step)
-        self.sampling.counter.copy_(counters)
         out.graph = graph
-        self._graphs[key] = out
         return out
+
+    def _replay_seconds(self, graph: torch.cuda.CUDAGraph, replays: int = 10) -> float:
+        """Seconds per replay of a decode graph (its step counter reset before each replay)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._step.zero_()
+        graph.replay()
+        start.record()
+        for _ in range(replays):
+            self._step.zero_()
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
 
     def recapture(self) -> None:
         """Drop the captured decode graphs: the next decode step of each bucket captures again (after
@@ -394,7 +476,7 @@ class FastModelRunner:
         columns = [[r.token for r in rows], [r.start for r in rows], [r.slot for r in rows], lens, [n + 1 for n in lens], limits]
         self._load_inputs(columns + [list(col) for col in zip(*stops)], bucket)
         self._step.zero_()
-        g = self._graph(bucket, kind, record) if self.use_graphs else None
+        g = self._graph(bucket, kind, record, max(lens)) if self.use_graphs else None
         if g is None:
             self._ensure_recording(record)
         for _ in range(steps):
