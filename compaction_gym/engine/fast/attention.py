@@ -74,6 +74,21 @@ if HAS_TRITON:
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
+    def attend_block(q, k, beta, v, rmask, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+        """One block of flash-decode: keys ``k`` ``[D, N]`` with β, values ``v`` ``[N, D]`` (rows
+        where ``rmask`` is false are ignored) folded into the running max ``m_i``, sum ``l_i`` and
+        output ``acc`` of the queries ``q`` (log2 domain: ``scale_log2`` is the scale × log2 e)."""
+        qk = mma(q, k, IEEE)
+        qk = qk * scale_log2 + beta[None, :] * 1.4426950408889634
+        qk = tl.where(rmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(
         Q, K, V, BETA, SLOTS, LENS, O_PART, LSE_PART, OUT, CNT,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kr, stride_vs, stride_vh, stride_vr,
@@ -112,16 +127,7 @@ if HAS_TRITON:
             k = tl.load(k_base + rows[None, :] * stride_kr + offs_d[:, None], mask=rmask[None, :], other=0.0)
             beta = tl.load(b_base + rows, mask=rmask, other=0.0)
             v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=rmask[:, None], other=0.0)
-            qk = mma(q, k, IEEE)
-            qk = qk * scale_log2 + beta[None, :] * 1.4426950408889634
-            qk = tl.where(rmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            pv = mma(p.to(v.dtype), v, IEEE)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, beta, v, rmask, m_i, l_i, acc, scale_log2, IEEE)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if FUSED and NUM_SPLITS == 1:  # the only split: its output is the result

@@ -48,13 +48,28 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from compaction_gym.engine.fast.kernels import mma, pdl_prologue
+    from compaction_gym.engine.fast.attention import attend_block
+    from compaction_gym.engine.fast.kernels import pdl_prologue
 
     @triton.jit
     def _arrive(BAR):
         """Count this program in at the barrier; its stores so far are released with the count."""
         tl.debug_barrier()  # every thread's stores precede the arrival
         tl.atomic_add(BAR, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _enter(BAR, phase, TIMES, pid, TIMING: tl.constexpr):
+        """Arrive at the barrier before phase ``phase + 1`` (stamped for profiling); returns ``phase + 1``."""
+        phase += 1
+        _clock(TIMES, pid, 2 * phase - 2, TIMING)
+        _arrive(BAR)
+        return phase
+
+    @triton.jit
+    def _start(BAR, phase, P: tl.constexpr, TIMES, pid, TIMING: tl.constexpr):
+        """Wait until all ``P`` programs have entered phase ``phase`` (stamped for profiling)."""
+        _wait(BAR, phase * P)
+        _clock(TIMES, pid, 2 * phase - 1, TIMING)
 
     @triton.jit
     def _wait(BAR, target):
@@ -256,15 +271,7 @@ if HAS_TRITON:
             is_new = rows == row
             k = tl.where(is_new[None, :], k_new[:, None], k)
             v = tl.where(is_new[:, None], v_new[None, :], v)
-            qk = mma(q, k, IEEE)
-            qk = qk * scale_log2 + beta[None, :] * 1.4426950408889634
-            qk = tl.where(rmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None] + mma(p.to(dt), v, IEEE)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, beta, v, rmask, m_i, l_i, acc, scale_log2, IEEE)
             k, beta, v = k_nxt, b_nxt, v_nxt
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -327,12 +334,9 @@ if HAS_TRITON:
         for layer in range(L):
             # A: q/k/v rows of RMSNorm(h)
             w_qkv = _weight(WBASE, OFFS, layer, 1)
-            phase += 1
-            _clock(TIMES, pid, 2 * phase - 2, TIMING)
-            _arrive(BAR)
+            phase = _enter(BAR, phase, TIMES, pid, TIMING)
             w0 = _tile(w_qkv, r_qkv, n_qkv, 0, H, B_QKV, KC_QKV)
-            _wait(BAR, phase * P)
-            _clock(TIMES, pid, 2 * phase - 1, TIMING)
+            _start(BAR, phase, P, TIMES, pid, TIMING)
             rstd = _rstd(H_BUF, eps, H, HP)
             acc, _ = _rows_dot(w_qkv, w0, w_qkv, w0, r_qkv, n_qkv, H_BUF, _weight(WBASE, OFFS, layer, 0), rstd,
                                H, B_QKV, KC_QKV, True, False)  # fmt: skip
@@ -344,14 +348,11 @@ if HAS_TRITON:
             k_base = K_CACHE + slot * stride_ks + layer * stride_kl + kvh * stride_kh
             v_base = V_CACHE + slot * stride_vs + layer * stride_vl + kvh * stride_vh
             b_base = BETA + slot * stride_bs + layer * stride_bl + kvh * stride_bh
-            phase += 1
-            _clock(TIMES, pid, 2 * phase - 2, TIMING)
-            _arrive(BAR)
+            phase = _enter(BAR, phase, TIMES, pid, TIMING)
             k0, beta0, v0 = _kv_block(k_base, v_base, b_base, start, end, stride_kr, stride_vr, D, BLOCK_N)
             qw, qwr = _norm_pair(_weight(WBASE, OFFS, layer, 3), D, HAS_NORM)
             kw, kwr = _norm_pair(_weight(WBASE, OFFS, layer, 4), D, HAS_NORM)
-            _wait(BAR, phase * P)
-            _clock(TIMES, pid, 2 * phase - 1, TIMING)
+            _start(BAR, phase, P, TIMES, pid, TIMING)
             _attention_phase(
                 layer, pid, WBASE, OFFS, QKV, ATT, O_PART, LSE_PART, HEAD_CNT, Q_OUT, stride_ql, TIMES, TIMING,
                 k_base, v_base, b_base, stride_kr, stride_vr, k0, beta0, v0, start, end,
@@ -360,12 +361,9 @@ if HAS_TRITON:
             )  # fmt: skip
             # C: output projection into the residual stream
             w_o = _weight(WBASE, OFFS, layer, 5)
-            phase += 1
-            _clock(TIMES, pid, 2 * phase - 2, TIMING)
-            _arrive(BAR)
+            phase = _enter(BAR, phase, TIMES, pid, TIMING)
             w0 = _tile(w_o, r_o, n_o, 0, NQ * D, B_O, KC_O)
-            _wait(BAR, phase * P)
-            _clock(TIMES, pid, 2 * phase - 1, TIMING)
+            _start(BAR, phase, P, TIMES, pid, TIMING)
             acc, _ = _rows_dot(w_o, w0, w_o, w0, r_o, n_o, ATT, w_o, 1.0, NQ * D, B_O, KC_O, False, False)
             if O_BIAS:
                 bias = _weight(WBASE, OFFS, layer, 6)
@@ -375,13 +373,10 @@ if HAS_TRITON:
             # D: gate/up rows of RMSNorm(h), SiLU·mul
             w_g = _weight(WBASE, OFFS, layer, 8)
             w_u = w_g + FF * H
-            phase += 1
-            _clock(TIMES, pid, 2 * phase - 2, TIMING)
-            _arrive(BAR)
+            phase = _enter(BAR, phase, TIMES, pid, TIMING)
             g0 = _tile(w_g, r_i, n_i, 0, H, B_I, KC_I)
             u0 = _tile(w_u, r_i, n_i, 0, H, B_I, KC_I)
-            _wait(BAR, phase * P)
-            _clock(TIMES, pid, 2 * phase - 1, TIMING)
+            _start(BAR, phase, P, TIMES, pid, TIMING)
             rstd = _rstd(H_BUF, eps, H, HP)
             g, u = _rows_dot(w_g, g0, w_u, u0, r_i, n_i, H_BUF, _weight(WBASE, OFFS, layer, 7), rstd,
                              H, B_I, KC_I, True, True)  # fmt: skip
@@ -390,12 +385,9 @@ if HAS_TRITON:
             tl.store(ACT + offs_i, (s * u.to(dt).to(tl.float32)).to(dt), mask=tl.arange(0, B_I) < n_i)
             # E: down projection into the residual stream
             w_d = _weight(WBASE, OFFS, layer, 9)
-            phase += 1
-            _clock(TIMES, pid, 2 * phase - 2, TIMING)
-            _arrive(BAR)
+            phase = _enter(BAR, phase, TIMES, pid, TIMING)
             w0 = _tile(w_d, r_o, n_o, 0, FF, B_O, KC_DOWN)
-            _wait(BAR, phase * P)
-            _clock(TIMES, pid, 2 * phase - 1, TIMING)
+            _start(BAR, phase, P, TIMES, pid, TIMING)
             acc, _ = _rows_dot(w_d, w0, w_d, w0, r_o, n_o, ACT, w_d, 1.0, FF, B_O, KC_DOWN, False, False)
             h = tl.load(H_BUF + offs_o, mask=omask, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(H_BUF + offs_o, (h + acc.to(dt).to(tl.float32)).to(dt), mask=omask)
