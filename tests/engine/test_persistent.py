@@ -171,6 +171,19 @@ def test_padding_row_writes_and_reads_nothing(bf16_runner):
     )  # ready for the next launch
 
 
+def test_fp16_one_step_matches_layered(tiny_model_path):
+    runner = _fast_runner(_load(tiny_model_path, torch.float16), torch.float16, capacity=600)
+    torch.manual_seed(1)
+    runner.cache.k.normal_()
+    runner.cache.v.normal_()
+    runner.cache.beta.normal_()
+    assert runner.decoder.persistent_ready()
+    for n in (0, 100, 599):
+        out = _step_both(runner, n)
+        for i in range(4):  # logits, K row, V row, queries
+            assert _rel(out["persistent"][i], out["layered"][i]) < 0.01
+
+
 def test_qwen2_with_qkv_bias_and_no_qk_norm():
     """A Qwen2 layout (q/k/v bias, no per-head norm, four query heads per KV head)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -229,8 +242,16 @@ def test_generate_turns_on_and_off(tiny_model_path, monkeypatch):
     runner.decoder.use_persistent = True
     first = runner.forward([RowFeed(0, prompt, 0)]).argmax(-1).tolist()
     toks, lps = runner.generate([0], first, [len(prompt)], greedy, 64)
-    assert runner.decoder._plan is not None and runner.decoder.persistent_max_len is None and len(toks[0]) == 64
+    assert (
+        runner.decoder._plan is not None and runner.decoder.persistent_max_len is None and len(toks[0]) == 64
+    )
     assert int(runner.decoder._plan.bar.abs().sum()) == 0
+    hot = [SamplingParams(temperature=1.5, top_p=0.95)]  # sampled at temperature 1.5, nucleus-filtered
+    n = runner.cache.length(0)
+    sampled, sampled_lps = runner.generate([0], [toks[0][-1]], [n], hot, 40, seeds=[7])
+    assert len(sampled[0]) == 40 and all(0 <= t < model.config.vocab_size for t in sampled[0])
+    assert all(lp <= 0 and lp == lp for lp in sampled_lps[0])
+    assert runner.cache.length(0) == n + 40
     # the same tokens fed through the layered path give the emitted log-prob of the last one
     ref = _fast_runner(model, torch.bfloat16)
     ref.decoder.use_persistent = False
