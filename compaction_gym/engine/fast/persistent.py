@@ -223,7 +223,7 @@ if HAS_TRITON:
         k_base, v_base, b_base, stride_kr, stride_vr, k, beta, v, start, end,
         qw, qwr, kw, kwr, c, s, slot, row, eps, scale_log2,
         NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_NORM: tl.constexpr, RECORD: tl.constexpr, IEEE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+        HAS_NORM: tl.constexpr, RECORD: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
         """Phase B for the program's (KV head, split): ``k, beta, v`` are its first block, loaded
@@ -271,7 +271,7 @@ if HAS_TRITON:
             is_new = rows == row
             k = tl.where(is_new[None, :], k_new[:, None], k)
             v = tl.where(is_new[:, None], v_new[None, :], v)
-            m_i, l_i, acc = attend_block(q, k, beta, v, rmask, m_i, l_i, acc, scale_log2, IEEE)
+            m_i, l_i, acc = attend_block(q, k, beta, v, rmask, m_i, l_i, acc, scale_log2, False)  # bf16/fp16: exact products
             k, beta, v = k_nxt, b_nxt, v_nxt
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -300,7 +300,7 @@ if HAS_TRITON:
         R_I: tl.constexpr, B_I: tl.constexpr, KC_I: tl.constexpr,
         KC_DOWN: tl.constexpr,
         HAS_NORM: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, RECORD: tl.constexpr,
-        IEEE: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+        G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
         TIMING: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
@@ -357,7 +357,7 @@ if HAS_TRITON:
                 layer, pid, WBASE, OFFS, QKV, ATT, O_PART, LSE_PART, HEAD_CNT, Q_OUT, stride_ql, TIMES, TIMING,
                 k_base, v_base, b_base, stride_kr, stride_vr, k0, beta0, v0, start, end,
                 qw, qwr, kw, kwr, cos, sin, slot, row, eps, scale_log2,
-                NQ, NKV, D, S, BLOCK_N, HAS_NORM, RECORD, IEEE, G, BLOCK_H, BLOCK_G, BLOCK_S,
+                NQ, NKV, D, S, BLOCK_N, HAS_NORM, RECORD, G, BLOCK_H, BLOCK_G, BLOCK_S,
             )  # fmt: skip
             # C: output projection into the residual stream
             w_o = _weight(WBASE, OFFS, layer, 5)
@@ -414,7 +414,6 @@ class PersistentPlan:
     head_cnt: torch.Tensor
     bar: torch.Tensor
     programs: int
-    splits: int
     meta: dict
 
 
@@ -476,7 +475,7 @@ def build_plan(decoder) -> PersistentPlan:
         S=splits, BLOCK_N=BLOCK_KEYS, R_QKV=r_qkv, B_QKV=b_qkv, KC_QKV=kc_qkv, R_O=r_o, B_O=b_o, KC_O=kc_o,
         R_I=r_i, B_I=b_i, KC_I=kc_i, KC_DOWN=kc_down, HAS_NORM=layers[0].q_norm is not None,
         QKV_BIAS=layers[0].qkv_bias is not None, O_BIAS=layers[0].o_bias is not None,
-        IEEE=False, G=n_q // n_kv, BLOCK_H=max(16, triton.next_power_of_2(n_q // n_kv)),
+        G=n_q // n_kv, BLOCK_H=max(16, triton.next_power_of_2(n_q // n_kv)),
         BLOCK_G=triton.next_power_of_2(n_q // n_kv), BLOCK_S=triton.next_power_of_2(splits),
     )  # fmt: skip
     return PersistentPlan(
@@ -491,7 +490,6 @@ def build_plan(decoder) -> PersistentPlan:
         head_cnt=torch.zeros(n_kv, dtype=torch.int32, device=dev),
         bar=torch.zeros(2, dtype=torch.int32, device=dev),
         programs=programs,
-        splits=splits,
         meta=meta,
     )
 

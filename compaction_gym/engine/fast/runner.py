@@ -282,7 +282,7 @@ class FastModelRunner:
         free = [s for s in range(c.k.shape[0]) if c.length(s) < c.capacity]
         top = c.capacity - 1
         lengths = sorted({min(1024, top // 2), top}) if free and top >= 2 else [0]
-        saved, step = self._inputs.clone(), self._step.clone()
+        saved = self._inputs.clone()
         times: dict[tuple[bool, int], float] = {}
         try:
             for n in lengths:
@@ -297,7 +297,6 @@ class FastModelRunner:
                         times[use, n] = min(times.get((use, n), float("inf")), t)
         finally:
             self._inputs.copy_(saved)
-            self._step.copy_(step)
         dec.persistent_times = times
         gain = [times[True, n] - 0.97 * times[False, n] for n in lengths]  # < 0: persistent faster
         if all(g < 0 for g in gain):
@@ -329,14 +328,13 @@ class FastModelRunner:
         out.graph = graph
         return out
 
-    def _replay_seconds(self, graph: torch.cuda.CUDAGraph, replays: int = 10) -> float:
-        """Seconds per replay of a decode graph (its step counter reset before each replay)."""
+    @staticmethod
+    def _replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = 10) -> float:
+        """Seconds per replay of a ``"logits"`` decode graph (it changes no step state)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._step.zero_()
         graph.replay()
         start.record()
         for _ in range(replays):
-            self._step.zero_()
             graph.replay()
         end.record()
         end.synchronize()
