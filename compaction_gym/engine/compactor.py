@@ -397,7 +397,7 @@ class Compactor:
         cfg = events[0].session.config
         target = events[0].target
         if host_beta is not None:  # a slot whose fitted β is nonzero holds β from now on
-            fitted = host_beta.ne(0).flatten(1).any(1).tolist()
+            fitted = (host_beta.numpy().reshape(len(events), -1) != 0).any(1).tolist()
             for p, f in zip(events, fitted):
                 cache.has_beta[p.session.slot] = cache.has_beta[p.session.slot] or f
         out = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from compaction_gym.engine.context import ForwardContext
@@ -234,18 +235,20 @@ class SlotKVCache:
                 self.replace_span(slots[0], spans[0], keys[0], values[0], b, nonzero=nonzero and nonzero[0])
             ]
         t = keys.shape[2]
-        start = torch.tensor([a for a, _ in spans])
-        end = torch.tensor([b for _, b in spans])
-        old = torch.tensor([self._lengths[s] for s in slots])
-        assert bool(((start >= 0) & (start <= end) & (end <= old)).all()), (spans, old)
-        slot = torch.tensor(list(slots))
+        # the indices are built with numpy: a few microseconds where torch's CPU ops on these small
+        # arrays cost ~50 µs each (docs/engine.md, "Batched events")
+        start = np.array([a for a, _ in spans], np.int64)
+        end = np.array([b for _, b in spans], np.int64)
+        old = np.array([self._lengths[s] for s in slots], np.int64)
+        assert ((start >= 0) & (start <= end) & (end <= old)).all(), (spans, old)
         new = start + t + old - end
-        tail = torch.where(start + t == end, 0, old - end)  # a block as long as its span moves nothing
-        t_slot, src, dst = _segments(slot, end, start + t, tail)
-        z_slot, z_row, _ = _segments(slot, new, new, old - new)  # β rows freed at the end
-        rows = start[:, None] + torch.arange(t)
+        tail = np.where(start + t == end, 0, old - end)  # a block as long as its span moves nothing
+        slot_ids = np.array(slots, np.int64)
+        t_slot, src, dst = _segments(slot_ids, end, start + t, tail)
+        z_slot, z_row, _ = _segments(slot_ids, new, new, old - new)  # β rows freed at the end
+        rows = start[:, None] + np.arange(t)
         t_slot, src, dst, z_slot, z_row, slot, rows = upload(
-            [t_slot, src, dst, z_slot, z_row, slot, rows], self.k.device
+            [torch.from_numpy(a) for a in (t_slot, src, dst, z_slot, z_row, slot_ids, rows)], self.k.device
         )
         lh = self.n_layers * self.n_kv_heads
         # a device scalar: a Python number on the right of an indexed write is first copied from
@@ -299,11 +302,11 @@ def _put(buf: torch.Tensor, index: tuple[torch.Tensor, ...], value: torch.Tensor
 
 
 def _segments(
-    slot: torch.Tensor, src_start: torch.Tensor, dst_start: torch.Tensor, length: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    slot: np.ndarray, src_start: np.ndarray, dst_start: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row ranges of several slots flattened: ``(slot, src, dst)`` of every row ``j < length[i]``,
-    ``src = src_start[i] + j``, ``dst = dst_start[i] + j`` (host tensors)."""
-    seg = torch.repeat_interleave(torch.arange(len(slot)), length)
-    offset = torch.cumsum(length, 0) - length
-    j = torch.arange(len(seg)) - offset[seg]
+    ``src = src_start[i] + j``, ``dst = dst_start[i] + j`` (int64 host arrays)."""
+    seg = np.repeat(np.arange(len(slot)), length)
+    offset = np.cumsum(length) - length
+    j = np.arange(len(seg)) - offset[seg]
     return slot[seg], src_start[seg] + j, dst_start[seg] + j
