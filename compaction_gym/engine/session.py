@@ -14,6 +14,7 @@ import copy
 import operator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
@@ -29,7 +30,9 @@ class ProbeRing:
     def __init__(self, n_layers: int, n_q_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
         self.capacity = capacity
         self.queries = torch.zeros(n_layers, n_q_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.positions = torch.full((capacity,), -1, dtype=torch.long)
+        # host bookkeeping in numpy: a torch CPU op per push costs several times more (docs/engine.md,
+        # "Batched events")
+        self.positions = np.full(capacity, -1, np.int64)
         self.count = 0
 
     def push(self, queries: torch.Tensor, first_position: int) -> None:
@@ -42,10 +45,10 @@ class ProbeRing:
         a = self.count % self.capacity
         k = min(m, self.capacity - a)
         self.queries[:, :, a : a + k] = queries[:, :, :k]
-        self.positions[a : a + k] = torch.arange(first_position, first_position + k)
+        self.positions[a : a + k] = np.arange(first_position, first_position + k)
         if k < m:
             self.queries[:, :, : m - k] = queries[:, :, k:]
-            self.positions[: m - k] = torch.arange(first_position + k, first_position + m)
+            self.positions[: m - k] = np.arange(first_position + k, first_position + m)
         self.count += m
 
     def select(self, min_position: int) -> tuple[torch.Tensor, tuple[int, int]] | None:
@@ -89,21 +92,21 @@ class ProbeRing:
         """:meth:`select` for any order of positions: an indexed gather (the index copied to the
         device without a synchronisation)."""
         valid = self.positions >= 0
-        if not bool(valid.any()):
+        if not valid.any():
             return None
         keep = valid & (self.positions >= min_position)
-        if not bool(keep.any()):
+        if not keep.any():
             keep = valid
-        slots = torch.nonzero(keep).squeeze(1)
-        slots = slots[torch.argsort(self.positions[slots])]
+        slots = np.flatnonzero(keep)
+        slots = slots[np.argsort(self.positions[slots], kind="stable")]
         pos = self.positions[slots]
-        (index,) = upload([slots], self.queries.device)
+        (index,) = upload([torch.from_numpy(slots)], self.queries.device)
         return self.queries[:, :, index], (int(pos[0]), int(pos[-1]) + 1)
 
     def clone(self) -> ProbeRing:
         new = copy.copy(self)
         new.queries = self.queries.clone()
-        new.positions = self.positions.clone()
+        new.positions = self.positions.copy()
         return new
 
 
