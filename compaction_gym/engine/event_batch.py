@@ -191,7 +191,7 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
             keys[i, :, s : s + t] = p.keys
             values[i, :, s : s + t] = p.values
             bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
-        (shift_t,) = upload([torch.tensor(shifts, dtype=torch.long)], keys.device)
+        (shift_t,) = upload([np.array(shifts, np.int64)], keys.device)
     mask = None
     if min(counts) == n and all(p.queries is not None for p in events):
         queries = torch.cat([p.queries for p in events])
@@ -202,7 +202,7 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
             p.write_probes(queries[i])
         if min(counts) < n:
             host_mask = np.arange(n)[None, :] < np.array(counts)[:, None]
-            (mask,) = upload([torch.from_numpy(host_mask)], keys.device)
+            (mask,) = upload([host_mask], keys.device)
             mask = mask[:, None, :].expand(n_ev, rows, n).reshape(n_ev * rows, n)
         queries = queries.view(n_ev * rows, n, d)
     return StackedRows(
@@ -235,10 +235,7 @@ def _gather_rows(
     pad_event, pad_row = np.nonzero(pad)
     slot = np.array([p.slot for p in events], np.int64)
     host = [slot[:, None, None], np.arange(rows)[None, :, None], np.where(pad, 0, src)[:, None, :]]
-    slot, head, src, pad_event, pad_row, shift_t = upload(
-        [torch.from_numpy(np.ascontiguousarray(a, np.int64)) for a in (*host, pad_event, pad_row, shift)],
-        cache.k.device,
-    )
+    slot, head, src, pad_event, pad_row, shift_t = upload([*host, pad_event, pad_row, shift], cache.k.device)
     per_row = (cache.max_slots, rows, cache.capacity)
     keys, values = (as_words(buf.view(*per_row, -1))[slot, head, src] for buf in (cache.k, cache.v))
     bias = cache.beta.view(per_row)[slot, head, src]

@@ -9,12 +9,15 @@ alive until the copy has run).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``tensors`` (host, one dtype) on ``device`` in one asynchronous copy, each reshaped as given
-    (views of one buffer); on a CPU ``device``, the tensors themselves."""
+def upload(tensors: list[torch.Tensor | np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (host tensors or numpy arrays, one dtype) on ``device`` in one asynchronous copy,
+    each reshaped as given (views of one buffer); on a CPU ``device``, the tensors themselves (an
+    array as a tensor sharing its memory)."""
+    tensors = [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
     if device.type == "cpu":
         return tensors
     flat = torch.empty(

@@ -100,7 +100,7 @@ class ProbeRing:
         slots = np.flatnonzero(keep)
         slots = slots[np.argsort(self.positions[slots], kind="stable")]
         pos = self.positions[slots]
-        (index,) = upload([torch.from_numpy(slots)], self.queries.device)
+        (index,) = upload([slots], self.queries.device)
         return self.queries[:, :, index], (int(pos[0]), int(pos[-1]) + 1)
 
     def clone(self) -> ProbeRing:

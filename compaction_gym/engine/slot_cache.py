@@ -248,7 +248,7 @@ class SlotKVCache:
         z_slot, z_row, _ = _segments(slot_ids, new, new, old - new)  # β rows freed at the end
         rows = start[:, None] + np.arange(t)
         t_slot, src, dst, z_slot, z_row, slot, rows = upload(
-            [torch.from_numpy(a) for a in (t_slot, src, dst, z_slot, z_row, slot_ids, rows)], self.k.device
+            [t_slot, src, dst, z_slot, z_row, slot_ids, rows], self.k.device
         )
         lh = self.n_layers * self.n_kv_heads
         # a device scalar: a Python number on the right of an indexed write is first copied from

@@ -113,8 +113,7 @@ class _Stage:
         for item in self.items:
             by_dtype.setdefault(item.array.dtype, []).append(item)
         for items in by_dtype.values():
-            host = [torch.from_numpy(np.ascontiguousarray(i.array)) for i in items]
-            for item, t in zip(items, upload(host, self.device)):
+            for item, t in zip(items, upload([i.array for i in items], self.device)):
                 item.value = t if item.then is None else item.then(t)
                 item.array = None
         self.items = []
