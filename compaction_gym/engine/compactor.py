@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.profiler import record_function
 
 from compaction_gym.compaction import CompactionResult, apply_event, compact, event_probes, key_probe_rows
 from compaction_gym.compaction.events import CompactionEvent, Trigger
@@ -40,14 +39,15 @@ from compaction_gym.compaction.modes import (
 from compaction_gym.compaction.rowmap import replace_blocks
 from compaction_gym.engine.event_batch import (
     EventBlocks,
-    HostCopy,
     PendingEvent,
     StackedRows,
     event_blocks,
     group_events,
     stack_rows,
 )
+from compaction_gym.engine.host_copy import HostCopy
 from compaction_gym.engine.model_runner import ModelLayout
+from compaction_gym.engine.profiling import profiler_range
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache
 from compaction_gym.errors import InvalidArgumentError
@@ -270,7 +270,7 @@ class Compactor:
         assert len({id(r[0]) for r in requests}) == len(requests), "one event per session per call"
         if not requests:  # the scheduler asks after every response (turn events): no profiler ranges then
             return []
-        with record_function("compaction.prepare"):
+        with profiler_range("compaction.prepare"):
             pending = [self._prepare(*r) for r in requests]
         rows = self.layout.n_layers * self.layout.n_kv_heads
         groups = group_events(pending, rows) if self.batch_events else [[i] for i in range(len(pending))]
@@ -281,29 +281,31 @@ class Compactor:
             t0 = time.perf_counter()
             events = [pending[i] for i in group]
             if len(group) == 1:
-                with record_function("compaction.score"):
+                with profiler_range("compaction.score"):
                     blocks = event_blocks(self._score(events[0]))
             else:
-                with record_function("compaction.stack"):
+                with profiler_range("compaction.stack"):
                     stacked = stack_rows(events, self.cache)
-                with record_function("compaction.score"):
+                with profiler_range("compaction.score"):
                     blocks = event_blocks(self._score(events[0], stacked), stacked)
             # the recorded indices and β of the whole call: one device→host copy, waited for below
             recorded = events[0].session.config.compute_beta and blocks.beta is not None
-            with record_function("compaction.to_host"):
+            with profiler_range("compaction.to_host"):
                 copy = HostCopy(blocks.indices, blocks.beta if recorded else None)
-            with record_function("compaction.write_back"):
+            with profiler_range("compaction.write_back"):
                 masses, kv_after = self._write_back(events, blocks)
             launched.append((group, copy, masses, kv_after, time.perf_counter() - t0))
         done: dict[int, CompactionEvent] = {}
         for group, copy, masses, kv_after, launch_s in launched:
+            events = [pending[i] for i in group]
+            with profiler_range("compaction.record"):
+                # recorded while the copy is on its way: the records hold views of the host buffers it fills
+                done.update(zip(group, self._record(events, copy.indices, copy.beta, masses, kv_after)))
             t0 = time.perf_counter()
-            with record_function("compaction.wait"):
-                indices, beta = copy.wait()
+            with profiler_range("compaction.wait"):
+                copy.wait()
             share = (launch_s + time.perf_counter() - t0) / len(group)  # a call's time, split evenly
-            with record_function("compaction.record"):
-                events = [pending[i] for i in group]
-                done.update(zip(group, self._record(events, indices, beta, masses, kv_after, share)))
+            self._settle(events, copy.beta, share)
         return [done[i] for i in range(len(pending))]
 
     def _prepare(self, s: Session, span: tuple[int, int], ratio: float, trigger: Trigger) -> PendingEvent:
@@ -388,22 +390,16 @@ class Compactor:
         host_beta: torch.Tensor | None,
         masses: list[float | None],
         kv_after: list[int],
-        compact_s: float,
     ) -> list[CompactionEvent]:
         """Record the events of one scoring call, written back by :meth:`_write_back`
-        (``host_*``: their indices and fitted β ``[S, B, t]``, on the host; ``compact_s``: each
-        event's share of the call's time)."""
-        cache, lay = self.cache, self.layout
+        (``host_*``: their indices and fitted β ``[S, B, t]`` on the host, filled once their
+        :class:`HostCopy` has landed; :meth:`_settle` then finishes the records)."""
+        lay = self.layout
         cfg = events[0].session.config
         target = events[0].target
-        if host_beta is not None:  # a slot whose fitted β is nonzero holds β from now on
-            fitted = (host_beta.numpy().reshape(len(events), -1) != 0).any(1).tolist()
-            for p, f in zip(events, fitted):
-                cache.has_beta[p.session.slot] = cache.has_beta[p.session.slot] or f
         out = []
         for k, p in enumerate(events):
             t_record = time.perf_counter()
-            p.timings["compact"] = compact_s
             s, (start, end) = p.session, p.span
             indices = host_indices[k].reshape(lay.n_layers, lay.n_kv_heads, target)
             # what the cache stores (float32): replay's constant β
@@ -436,10 +432,21 @@ class Compactor:
                 refit_values=cfg.refit_values,
             )
             s.events.append(event)
-            # the diagnostic is not compaction's cost
-            p.timings["total"] = p.timings["probes"] + compact_s + time.perf_counter() - t_record
+            # the diagnostic is not compaction's cost; :meth:`_settle` adds the call's share
+            p.timings["total"] = p.timings["probes"] + time.perf_counter() - t_record
             out.append(event)
         return out
+
+    def _settle(self, events: list[PendingEvent], host_beta: torch.Tensor | None, compact_s: float) -> None:
+        """Finish the records of one scoring call once its indices and β are on the host: the slots'
+        ``has_beta`` flags and each event's ``compact`` time (``compact_s``: its share of the call's)."""
+        if host_beta is not None:  # a slot whose fitted β is nonzero holds β from now on
+            fitted = (host_beta.numpy().reshape(len(events), -1) != 0).any(1).tolist()
+            for p, f in zip(events, fitted):
+                self.cache.has_beta[p.session.slot] = self.cache.has_beta[p.session.slot] or f
+        for p in events:
+            p.timings["compact"] = compact_s
+            p.timings["total"] += compact_s
 
     def _mass(self, p: PendingEvent, result: CompactionResult) -> float | None:
         """The event's ``mass_kept`` (with ``record_mass``), read before its rows are overwritten."""

@@ -1,4 +1,5 @@
-"""``host_copy.upload``: host tensors and numpy arrays reach the device as the same values and shapes."""
+"""``host_copy``: host tensors and numpy arrays reach the device as the same values and shapes
+(``upload``); indices and β come back bit for bit (``HostCopy``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from compaction_gym.engine.host_copy import upload
+from compaction_gym.engine.host_copy import HostCopy, upload
 
 
 def _inputs() -> list:
@@ -44,3 +45,40 @@ def test_upload_takes_numpy_arrays_and_tensors_on_cuda():
     got = upload(inputs, torch.device("cuda"))
     torch.cuda.synchronize()
     _check(got, inputs, "cuda")
+
+
+def _indices_and_beta(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    indices = torch.randint(0, 1 << 40, (3, 4, 5), generator=g)
+    beta = torch.randn(3, 4, 5, generator=g) * 30
+    beta[0, 0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    return indices.to(device), beta.to(device)
+
+
+def _check_copy(device: str) -> None:
+    indices, beta = _indices_and_beta(device)
+    got_i, got_b = HostCopy(indices, beta).wait()
+    assert got_i.device.type == got_b.device.type == "cpu"
+    assert got_i.dtype == torch.int64 and got_b.dtype == torch.float32
+    assert got_i.shape == got_b.shape == indices.shape
+    assert torch.equal(got_i, indices.cpu())
+    assert torch.equal(got_b.view(torch.int32), beta.cpu().view(torch.int32))  # bits: signed zero, NaN
+    alone, none = HostCopy(indices[:, 1:], None).wait()  # a strided view, no β
+    assert none is None and torch.equal(alone, indices[:, 1:].cpu())
+    empty, empty_b = HostCopy(indices[..., :0], beta[..., :0]).wait()
+    assert empty.shape == empty_b.shape == (3, 4, 0)
+
+
+def test_host_copy_is_bit_exact_on_cpu():
+    _check_copy("cpu")
+
+
+@pytest.mark.gpu
+def test_host_copy_is_bit_exact_on_cuda_and_leaves_pageable_memory():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_copy("cuda")
+    indices, beta = _indices_and_beta("cuda")
+    got_i, got_b = HostCopy(indices, beta.bfloat16()).wait()  # β cast to float32 on the way
+    assert not got_i.is_pinned() and not got_b.is_pinned()  # records live long; pinned memory goes back
+    assert torch.equal(got_b.view(torch.int32), beta.bfloat16().float().cpu().view(torch.int32))
