@@ -123,15 +123,20 @@ def _resolve(x: Any) -> Any:
     """``x`` with every :class:`_Staged` inside (dataclass fields, dicts, tuples, lists) replaced by its tensor."""
     if isinstance(x, _Staged):
         return x.value
-    if isinstance(x, (_Rows, _Group, _Bucket, _Tokens)):
-        for f in fields(x):
-            setattr(x, f.name, _resolve(getattr(x, f.name)))
+    names = _FIELDS.get(type(x))
+    if names is not None:
+        for name in names:
+            setattr(x, name, _resolve(getattr(x, name)))
         return x
     if isinstance(x, dict):
         return {k: _resolve(v) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
         return type(x)(_resolve(v) for v in x)
     return x
+
+
+#: The fields :func:`_resolve` looks into, per dataclass of the device plan.
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass
@@ -234,6 +239,9 @@ class _Tokens:
     query: Any
 
 
+_FIELDS.update({c: tuple(f.name for f in fields(c)) for c in (_Rows, _Group, _Bucket, _Tokens)})
+
+
 class OnePassReplay:
     """A :class:`~compaction_gym.trainers.replay_plan.Plan` on the device, and the attention that
     uses it: the object passed to the model as ``replay_plan`` (the attention function calls
@@ -271,16 +279,18 @@ class OnePassReplay:
     def _value_rows(self, b: np.ndarray, vsrc: np.ndarray, block: np.ndarray | bool = False) -> np.ndarray:
         """Value rows of ``[values | detached values (gradients stopped at blocks) | fitted C2]``
         for sources ``vsrc`` of trajectories ``b`` (broadcast)."""
-        copies = 1 if self.through else 2
-        # trajectory b's fitted source -1 - j is the batch's fitted row offsets[b] + j
-        j = np.maximum(np.minimum(-1 - vsrc, self._counts[b] - 1), 0)
-        fitted = (
-            copies * self.rows + self._fitted_pos[np.minimum(self._starts[b] + j, len(self._fitted_pos) - 1)]
-        )
-        raw = b * self.width + vsrc
+        out = b * self.width + vsrc  # raw sources' rows; the others' below
         if not self.through:
-            raw = raw + self.rows * np.asarray(block, np.int64)
-        return np.where(vsrc >= 0, raw, np.where(vsrc == PER_HEAD, 0, fitted))
+            out += self.rows * np.asarray(block, np.int64)
+        out = out.reshape(-1)
+        at = np.flatnonzero(vsrc < 0)
+        if at.size:
+            v, b = vsrc.reshape(-1)[at], np.broadcast_to(b, vsrc.shape).reshape(-1)[at]
+            # trajectory b's fitted source -1 - j is the batch's fitted row offsets[b] + j
+            j = np.maximum(np.minimum(-1 - v, self._counts[b] - 1), 0)
+            fitted = self._fitted_pos[np.minimum(self._starts[b] + j, len(self._fitted_pos) - 1)]
+            out[at] = np.where(v == PER_HEAD, 0, (1 if self.through else 2) * self.rows + fitted)
+        return out.reshape(vsrc.shape)
 
     def _rows(self, st: _Stack, *, values: bool = False, bias: bool = False,
               attention: bool = False) -> tuple[_Rows, _Rows | None, _Rows | None]:  # fmt: skip
@@ -364,16 +374,26 @@ class OnePassReplay:
         self._starts, self._counts = offsets[:-1], np.diff(offsets)  # per trajectory, its fitted rows
         self._level_start: dict[int, int] = {}
         self._level_rows: dict[int, int] = {}
+        by_level: dict[int, list[Fit]] = {}  # group by group, each group's in order
+        for fs in self._members:
+            for f in fs:
+                by_level.setdefault(f.level, []).append(f)
+        firsts, targets = [], []
         pos = 0
         for lv in self.levels:
             self._level_start[lv], flat = pos, 0
-            for f in (f for fs in self._members for f in fs if f.level == lv):
+            for f in by_level[lv]:
                 self._flat_at[f.first] = (lv, flat, f.target)
                 flat += self.n_kv_heads * f.target
-                self._fitted_pos[f.first : f.first + f.target] = pos + np.arange(f.target)
+                firsts.append(f.first)
+                targets.append(f.target)
                 pos += f.target
             self._level_flat_rows[lv] = flat
             self._level_rows[lv] = pos - self._level_start[lv]
+        # fit by fit in that order, its fitted rows f.first .. are the next positions
+        t = np.array(targets, np.int64)
+        at = np.repeat(np.array(firsts, np.int64) - np.cumsum(t) + t, t) + np.arange(pos)
+        self._fitted_pos[at] = np.arange(pos)
         self._firsts = np.array(sorted(self._flat_at), np.int64)
         # per fit in ``_firsts`` order: (level, flat offset, t)
         self._meta = np.array([self._flat_at[int(f)] for f in self._firsts], np.int64).reshape(-1, 3)

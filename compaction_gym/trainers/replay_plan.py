@@ -80,11 +80,11 @@ class SlotTable:
         self.n = 0
         self._bias: np.ndarray | None = None
 
-    def add(self, k: np.ndarray, shared: np.ndarray, v: np.ndarray | None, b: np.ndarray | None) -> int:
-        """Append ``t`` slots: key tokens ``k`` ``[LH, t]``, value sources ``shared`` ``[t]``
-        (:data:`PER_HEAD` where ``v`` ``[LH, t]`` holds them per head) and biases ``b`` ``[LH, t]``
-        (``None``: zeros). Returns the first slot."""
-        first, t = self.n, k.shape[1]
+    def add(self, k: np.ndarray | None, shared: np.ndarray, v: np.ndarray | None, b: np.ndarray | None) -> int:
+        """Append ``t`` slots: key tokens ``k`` ``[LH, t]`` (``None``: written later),
+        value sources ``shared`` ``[t]`` (:data:`PER_HEAD` where ``v`` ``[LH, t]`` holds them per head)
+        and biases ``b`` ``[LH, t]`` (``None``: zeros). Returns the first slot."""
+        first, t = self.n, shared.shape[0]
         if first + t > self.k.shape[1]:  # more than the events announced: grow
             more = max(first + t, 2 * self.k.shape[1]) - self.k.shape[1]
             self.k = np.pad(self.k, ((0, 0), (0, more)))
@@ -92,7 +92,8 @@ class SlotTable:
             if self.per_head is not None:
                 self.per_head = np.pad(self.per_head, ((0, 0), (0, more)))
         at = slice(first, first + t)
-        self.k[:, at] = k
+        if k is not None:
+            self.k[:, at] = k
         self.shared[at] = shared
         if self.per_head is None and v is not None and (shared == PER_HEAD).any():
             self.per_head = np.empty(self.k.shape, np.int64)
@@ -169,11 +170,12 @@ class Snapshot:
         """Rows ``[start, end)`` (views: snapshots are never written)."""
         return Snapshot(self.kcol[start:end], self.vcol[start:end], self.slot[start:end], self.table)
 
-    def rows_at(self, rows: np.ndarray, values: bool = True,
-                bias: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:  # fmt: skip
-        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens, value sources (``None`` unless
-        ``values``) and biases (``None`` unless ``bias``, and where every one is zero)."""
-        kcol = np.take(self.kcol, rows)
+    def rows_at(self, rows: np.ndarray, values: bool = True, bias: bool = True,
+                keys: bool = True) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:  # fmt: skip
+        """Per head, at cache rows ``rows`` ``[LH, t]``: key tokens (``None`` unless ``keys``), value
+        sources (``None`` unless ``values``) and biases (``None`` unless ``bias``, and where every one
+        is zero)."""
+        kcol = np.take(self.kcol, rows) if keys else None
         slot = np.take(self.slot, rows)
         raw = slot < 0
         if raw.all():
@@ -182,9 +184,10 @@ class Snapshot:
         # per head, each row's slot as an index into the flat [LH, capacity] tables (a raw row's -1:
         # the previous head's last slot, or the last one; any valid index, overwritten below)
         flat = slot + np.arange(0, lh * table.k.shape[1], table.k.shape[1])[:, None]
-        k = np.take(table.k, flat)
-        np.copyto(k, kcol, where=raw)
-        v = None
+        k = v = None
+        if keys:
+            k = np.take(table.k, flat)
+            np.copyto(k, kcol, where=raw)
         if values:
             v = table.values(flat, slot)
             np.copyto(v, np.take(self.vcol, rows), where=raw)
@@ -393,146 +396,167 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
     events = checked_events(traj, index, end)
     sim.num_events = len(events)
     sim.table = SlotTable(lh, sum(int(e.indices.shape[-1]) for e in events))
-    prepared = _prepared(events, lh)
-    empty = np.zeros(0, np.int64)
-    state = Snapshot(empty, empty, empty, sim.table)
-    row_map = RowMap()
+    walk = _Walk(sim, index, lh, n_probe, ridge, _local_dtypes(events, lh))
     fed, e_next = 0, 0
     while fed < end or (e_next < len(events) and events[e_next].logical_len == fed):
         if e_next < len(events) and events[e_next].logical_len == fed:
-            ev = events[e_next]
-            state, fit = _apply(sim, index, lh, ev, prepared[e_next], state, row_map, n_probe, ridge)
+            fit = walk.apply(events[e_next])
             if fit is not None:
                 sim.fits.append(fit)
             e_next += 1
             continue
         stop = events[e_next].logical_len if e_next < len(events) else end
         ctx = len(sim.snapshots)
-        sim.snapshots.append(state)
+        sim.snapshots.append(walk.snapshot())
         for q0 in range(fed, stop, piece_queries):
             sim.pieces.append(Piece(0, q0, min(stop, q0 + piece_queries), fed, ctx))
-        raw = np.arange(fed, stop, dtype=np.int64)
-        state = Snapshot(
-            np.concatenate([state.kcol, raw]), np.concatenate([state.vcol, raw]),
-            np.concatenate([state.slot, np.full(stop - fed, -1, np.int64)]), sim.table,
-        )  # fmt: skip
-        row_map.append(fed, stop - fed)
+        walk.feed(fed, stop)
         fed = stop
     sim.table.trim()
     return sim
 
 
-@dataclass
-class _EventArrays:
-    """An event's records as the simulation reads them, prepared for all events at once."""
-
-    indices: np.ndarray  # [LH, t] int64
-    local: np.ndarray  # [LH, t] relative to the span (int16 when the span is narrower than 2**15)
-    beta: np.ndarray | None  # [LH, t] float32, when the event recorded β and uses it
-    ascending: bool  # its indices ascend inside its recorded span
-
-
-def _prepared(events: list[CompactionEvent], lh: int) -> list[_EventArrays | None]:
-    """Every event's :class:`_EventArrays`, events of one shape stacked (one conversion and one
-    check for all instead of one per event); ``None`` for an event whose indices do not hold ``lh``
-    rows (:func:`_apply` raises on it, in order)."""
-    out: list[_EventArrays | None] = [None] * len(events)
-    by_shape: dict[tuple, list[int]] = {}
-    for j, e in enumerate(events):
-        if e.indices.dim() == 3 and e.indices.shape[0] * e.indices.shape[1] == lh:
-            by_shape.setdefault(tuple(e.indices.shape), []).append(j)
-    for shape, js in by_shape.items():
-        t = shape[-1]
-        ind = torch.stack([events[j].indices for j in js]).reshape(len(js), lh, t).long().numpy()
-        start = np.array([events[j].span[0] for j in js], np.int64)
-        end = np.array([events[j].span[1] for j in js], np.int64)
-        ok = np.ones(len(js), bool)
-        if t:
-            ok = (ind[:, :, 0].min(1) >= start) & (ind[:, :, -1].max(1) < end)
-            if t > 1:
-                ok &= (ind[:, :, 1:] > ind[:, :, :-1]).all((1, 2))
-        narrow = bool((end - start < 2**15).all())
-        local = (ind - start[:, None, None]).astype(np.int16 if narrow else np.int64)
-        for k, j in enumerate(js):
-            e = events[j]
-            beta = e.recorded_beta() if e.compute_beta else None
-            beta = None if beta is None else np.asarray(beta.numpy(), np.float32)
-            out[j] = _EventArrays(ind[k], local[k], beta, bool(ok[k]))
+def _local_dtypes(events: list[CompactionEvent], lh: int) -> dict[tuple, type]:
+    """Per shape of kept indices, the dtype of :attr:`Fit.kept`: int16 when every span of that shape
+    is narrower than ``2**15``."""
+    out: dict[tuple, type] = {}
+    for e in events:
+        shape = tuple(e.indices.shape)
+        if out.get(shape) is not np.int64:
+            out[shape] = np.int16 if e.span[1] - e.span[0] < 2**15 else np.int64
     return out
 
 
-def _apply(
-    sim: TrajectorySim,
-    i: int,
-    lh: int,
-    ev: CompactionEvent,
-    arrays: _EventArrays | None,
-    state: Snapshot,
-    row_map: RowMap,
-    n_probe: int,
-    ridge: float,
-) -> tuple[Snapshot, Fit | None]:
-    """The cache after ``ev`` (and its fit, if it refits C2), checked against the record."""
-    where = f"trajectory {i}, event {ev.index}"
-    length = state.length
-    if length != ev.kv_len_before:
-        raise InvalidArgumentError(
-            f"{where}: the replayed cache holds {length} rows "
-            f"after {ev.logical_len} tokens but the rollout held {ev.kv_len_before}; the trajectory's events do "
-            "not belong to its tokens (or it was produced by a different engine configuration)"
-        )
-    start, end = ev.span
-    if not 0 <= start < end <= length:
-        raise InvalidArgumentError(f"{where}: span {ev.span} outside the cache's {length} rows")
-    if row_map.logical_span(start, end) != ev.logical_span:
-        raise InvalidArgumentError(
-            f"{where}: rows {ev.span} stand for logical tokens "
-            f"{row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
-        )
-    if arrays is None:
-        rows = ev.forced_indices().shape[0]
-        raise InvalidArgumentError(f"{where}: indices hold {rows} (layer, KV head) rows, the model has {lh}")
-    if not arrays.ascending:
-        raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
-    indices, local, beta_np = arrays.indices, arrays.local, arrays.beta
-    t = indices.shape[1]
-    refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
-    # kept rows keep their bias unless the event recorded β
-    kept_k, kept_v, old_b = state.rows_at(indices, values=not refit, bias=sim.has_bias and beta_np is None)
-    kept_b = beta_np if beta_np is not None else old_b
-    fit = None
-    if refit:
-        first = sim.fitted_rows
-        span = state.sliced(start, end)
-        if (span.vcol == PER_HEAD).any():  # kept values of a selection event: not in one session
+#: Rows of :attr:`_Walk.state`: key token, value source, slot (as :class:`Snapshot`) and key code
+#: (the key token on raw rows, :data:`_BLOCK` + slot on block rows; :meth:`_Walk.kept_keys`).
+_KCOL, _VCOL, _SLOT, _CODE = range(4)
+_BLOCK = 2**62
+
+
+class _Walk:
+    """A trajectory's cache while it is simulated: its rows as one ``[4, T]`` array (:data:`_CODE`),
+    replaced at every event and fed segment (never written: snapshots are views of it), and the
+    events' records, checked and converted one event at a time (its arrays stay in cache)."""
+
+    def __init__(self, sim: TrajectorySim, index: int, lh: int, n_probe: int, ridge: float,
+                 dtypes: dict[tuple, type]) -> None:  # fmt: skip
+        self.sim, self.index, self.lh, self.n_probe, self.ridge, self.dtypes = sim, index, lh, n_probe, ridge, dtypes
+        self.state = np.zeros((4, 0), np.int64)
+        self.row_map = RowMap()
+        raw = np.arange(sim.end, dtype=np.int64)
+        self.raw = np.stack([raw, raw, np.full(sim.end, -1, np.int64), raw])  # rows of fed tokens
+        cap = sim.table.k.shape[1]
+        slots = np.arange(cap, dtype=np.int64)
+        self.blocks = np.stack([np.full_like(slots, -1), slots, slots, _BLOCK + slots])  # vcol: set per event
+        # the slots' key tokens per head after a sentinel (flat index 0, the largest int32) where a raw
+        # row's lookup lands: the smaller of lookup and code is the key token (kept_keys)
+        self.keys = np.empty(1 + lh * cap, np.int32)
+        self.keys[0] = np.iinfo(np.int32).max
+        sim.table.k = self.keys[1:].reshape(lh, cap)
+        self.key_at = 1 + cap * np.arange(lh, dtype=np.int64)[:, None] - _BLOCK
+
+    def snapshot(self) -> Snapshot:
+        st = self.state
+        return Snapshot(st[_KCOL], st[_VCOL], st[_SLOT], self.sim.table)
+
+    def feed(self, fed: int, stop: int) -> None:
+        """Tokens ``[fed, stop)`` appended as raw rows."""
+        self.state = np.concatenate([self.state, self.raw[:, fed:stop]], 1)
+        self.row_map.append(fed, stop - fed)
+
+    def apply(self, ev: CompactionEvent) -> Fit | None:
+        """The cache after ``ev`` (and its fit, if it refits C2), checked against the record."""
+        sim, table, state = self.sim, self.sim.table, self.state
+        where = f"trajectory {self.index}, event {ev.index}"
+        start, end = self._check_span(ev, where)
+        indices, local = self._kept_rows(ev, where)
+        t = indices.shape[1]
+        beta = ev.recorded_beta() if ev.compute_beta else None
+        beta = None if beta is None else np.asarray(beta.numpy(), np.float32)
+        refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
+        snap = self.snapshot()
+        kept_v = old_b = None
+        if not refit or (sim.has_bias and beta is None):  # kept rows keep their bias unless β is recorded
+            _, kept_v, old_b = snap.rows_at(indices, values=not refit, bias=sim.has_bias and beta is None,
+                                            keys=False)  # fmt: skip
+        if refit:
+            first = sim.fitted_rows
+            level = self._level(state[_VCOL, start:end], where)
+            sim.add_fitted(t, level)
+            new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
+        else:
+            new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
+        slot = table.add(None, new_vcol, kept_v, beta if beta is not None else old_b)
+        self.kept_keys(state[_CODE], indices, slot)
+        fit = None
+        if refit:
+            fit = Fit(
+                row=0, event=ev, span=snap.sliced(start, end), kept=local, beta=beta,
+                probe=_probe_spec(ev, snap, self.row_map, self.n_probe, where), first=first, slot=slot, level=level,
+                ridge=self.ridge,
+            )  # fmt: skip
+        sim.has_bias = sim.has_bias or bool(table.biased[slot : slot + t].any())
+        block = self.blocks[:, slot : slot + t]
+        block[_VCOL] = new_vcol
+        self.state = np.concatenate([state[:, :start], block, state[:, end:]], 1)
+        self.row_map.replace(start, end, t, ev.logical_span)
+        if self.state.shape[1] != ev.kv_len_after:
+            raise InvalidArgumentError(
+                f"{where}: {self.state.shape[1]} rows after replaying the event, the rollout had {ev.kv_len_after}"
+            )
+        return fit
+
+    def _check_span(self, ev: CompactionEvent, where: str) -> tuple[int, int]:
+        """The event's span, checked against the cache's length and logical tokens."""
+        length = self.state.shape[1]
+        if length != ev.kv_len_before:
+            raise InvalidArgumentError(
+                f"{where}: the replayed cache holds {length} rows "
+                f"after {ev.logical_len} tokens but the rollout held {ev.kv_len_before}; the trajectory's events "
+                "do not belong to its tokens (or it was produced by a different engine configuration)"
+            )
+        start, end = ev.span
+        if not 0 <= start < end <= length:
+            raise InvalidArgumentError(f"{where}: span {ev.span} outside the cache's {length} rows")
+        if self.row_map.logical_span(start, end) != ev.logical_span:
+            raise InvalidArgumentError(
+                f"{where}: rows {ev.span} stand for logical tokens "
+                f"{self.row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
+            )
+        return start, end
+
+    def _kept_rows(self, ev: CompactionEvent, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The kept rows ``[LH, t]`` (int64) and the same relative to the span (:attr:`Fit.kept`), checked."""
+        x = ev.indices
+        if x.dim() != 3 or x.shape[0] * x.shape[1] != self.lh:
+            rows = ev.forced_indices().shape[0]
+            raise InvalidArgumentError(f"{where}: indices hold {rows} (layer, KV head) rows, the model has {self.lh}")
+        start, end = ev.span
+        indices = x.long().numpy().reshape(self.lh, -1)
+        local = np.subtract(indices, start, out=np.empty(indices.shape, self.dtypes[tuple(x.shape)]),
+                            casting="unsafe")  # fmt: skip
+        # every index inside the span (so ``local`` is exact), ascending there
+        if indices.size and not (
+            indices.min() >= start and indices.max() < end and (local[:, 1:] > local[:, :-1]).all()
+        ):
+            raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
+        return indices, local
+
+    def _level(self, sources: np.ndarray, where: str) -> int:
+        """A refit's level: 1 + the deepest fit whose rows its span's value ``sources`` read."""
+        fitted = sources[sources < 0]
+        if (fitted == PER_HEAD).any():  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
-        refs = -1 - span.vcol[span.vcol < 0]
-        level = 1 + (int(sim.levels_of(refs).max()) if refs.size else -1)
-        sim.add_fitted(t, level)
-        new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
-        kept_v = None  # every head's: new_vcol
-    else:
-        new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
-    slot = sim.table.add(kept_k, new_vcol, kept_v, kept_b)
-    if refit:
-        fit = Fit(
-            row=0, event=ev, span=span, kept=local, beta=beta_np,
-            probe=_probe_spec(ev, state, row_map, n_probe, where), first=first, slot=slot, level=level,
-            ridge=ridge,
-        )  # fmt: skip
-    sim.has_bias = sim.has_bias or bool(sim.table.biased[slot : slot + t].any())
-    out = Snapshot(
-        np.concatenate([state.kcol[:start], np.full(t, -1, np.int64), state.kcol[end:]]),
-        np.concatenate([state.vcol[:start], new_vcol, state.vcol[end:]]),
-        np.concatenate([state.slot[:start], np.arange(slot, slot + t, dtype=np.int64), state.slot[end:]]),
-        sim.table,
-    )
-    row_map.replace(start, end, t, ev.logical_span)
-    if out.length != ev.kv_len_after:
-        raise InvalidArgumentError(
-            f"{where}: {out.length} rows after replaying the event, the rollout had {ev.kv_len_after}"
-        )
-    return out, fit
+        return 1 + (int(self.sim.levels_of(-1 - fitted).max()) if fitted.size else -1)
+
+    def kept_keys(self, code: np.ndarray, rows: np.ndarray, slot: int) -> None:
+        """Write the key tokens of slots ``slot ..``: at kept rows ``rows`` ``[LH, t]`` of a state
+        whose :data:`_CODE` row is ``code``, a raw row's token or the same head's key of a block
+        row's slot (an earlier event's)."""
+        if rows.size:
+            c = np.take(code, rows)
+            lookup = np.take(self.keys, c + self.key_at, mode="clip")  # a raw row's: the sentinel
+            self.sim.table.k[:, slot : slot + rows.shape[1]] = np.minimum(lookup, c)
 
 
 def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: int, where: str) -> tuple:

@@ -148,6 +148,29 @@ def test_one_pass_checks_the_records_as_the_segments_do(engine, model):
                 replay_logprobs(model, with_first(**changes), method=method)
 
 
+def test_one_pass_refuses_kept_indices_outside_their_span(engine):
+    """Kept indices out of order, past the span or far outside it (where their offset in the span
+    would wrap in 16 bits and look ascending) are refused before anything is replayed."""
+    view = plain_session(engine, config("attention_matching+beta", "kv_budget"), seed=43)
+    first, *rest = view.events
+    lo, hi = first.span
+    n_layers, n_kv_heads = first.indices.shape[:2]
+
+    def plan_with(indices):
+        event = dataclasses.replace(first, indices=indices)
+        build_plan([dataclasses.replace(view, events=(event, *rest))], targets=[[len(view.token_ids) - 1]],
+                   temperatures=[1.0], configs=[(16, 1e-4)], n_layers=n_layers, n_kv_heads=n_kv_heads)  # fmt: skip
+
+    plan_with(first.indices)  # as recorded: fine
+    swapped, past, wrapped = first.indices.clone(), first.indices.clone(), first.indices.clone()
+    swapped[0, 0, :2] = first.indices[0, 0, :2].flip(0)
+    past[-1, -1, -1] = hi
+    wrapped[0, 0, 1] = first.indices[0, 0, 0] + 1 + 2**16  # first + 1 + 65,536: "first + 1" in int16
+    for indices in (swapped, past, wrapped):
+        with pytest.raises(InvalidArgumentError, match=f"kept indices must be ascending inside span \\({lo}, {hi}\\)"):
+            plan_with(indices)
+
+
 def test_auto_is_segments_on_a_cpu(engine, model):
     view = plain_session(engine, config("attention_matching", "kv_budget"), seed=14, turns=2)
     auto = replay_logprobs(model, view)
