@@ -19,20 +19,26 @@ import torch
 def upload(tensors: list[torch.Tensor | np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """``tensors`` (host tensors or numpy arrays, one dtype) on ``device`` in one asynchronous copy,
     each reshaped as given (views of one buffer); on a CPU ``device``, the tensors themselves (an
-    array as a tensor sharing its memory)."""
-    tensors = [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
-    if device.type == "cpu":
-        return tensors
-    flat = torch.empty(
-        sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=device.type == "cuda"
-    )
-    torch.cat([t.reshape(-1) for t in tensors], out=flat)
+    array as a tensor sharing its memory).
+
+    Arrays are written into the pinned buffer by numpy and the device buffer is cut by one
+    ``split``: a call staging many small arrays (one-pass replay's plan: hundreds) costs about one
+    torch operation per array instead of four (docs/grpo.md, "Slot tables")."""
+    if device.type == "cpu" or not tensors:
+        return [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
+    shapes = [tuple(t.shape) for t in tensors]
+    sizes = [math.prod(shape) for shape in shapes]
+    pinned = device.type == "cuda"
+    if all(isinstance(t, np.ndarray) for t in tensors):
+        dtype = torch.from_numpy(np.empty(0, tensors[0].dtype)).dtype
+        flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pinned)
+        np.concatenate([t.reshape(-1) for t in tensors], out=flat.numpy())
+    else:
+        host = [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
+        flat = torch.empty(sum(sizes), dtype=host[0].dtype, pin_memory=pinned)
+        torch.cat([t.reshape(-1) for t in host], out=flat)
     flat = flat.to(device, non_blocking=True)
-    out, a = [], 0
-    for t in tensors:
-        out.append(flat[a : a + t.numel()].view(t.shape))
-        a += t.numel()
-    return out
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
 class HostCopy:
@@ -42,7 +48,7 @@ class HostCopy:
     call and write-back before it waits once).
 
     :attr:`indices` and :attr:`beta` are the host tensors at once (views of one pageable buffer,
-    allocated and faulted in while the device works), their values valid after :meth:`wait`: the
+    its pages faulted in while the wait waits), their values valid after :meth:`wait`: the
     two travel as the bytes of one buffer, the indices' and then β's, so they land bit-exact and
     the host does no per-element work (numpy's strided copies into fresh arrays cost ~150 µs on an
     H100 machine's host, after the device had finished).
@@ -60,9 +66,8 @@ class HostCopy:
             self.pinned.copy_(packed, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
-            # pageable (records keep these long; the pinned block goes back to the allocator), its
-            # pages touched now rather than by the copy after the wait
-            self.out = torch.zeros(packed.shape, dtype=torch.uint8)
+            # pageable: records keep these long, the pinned block goes back to the allocator
+            self.out = torch.empty(packed.shape, dtype=torch.uint8)
         n = 8 * math.prod(shape)
         self.indices = self.out[:n].view(torch.int64).view(shape)
         self.beta = self.out[n:].view(torch.float32).view(shape) if beta is not None else None
@@ -70,6 +75,8 @@ class HostCopy:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(indices, beta)`` on the host (``beta`` ``None`` when none was sent), once landed."""
         if self.done is not None:
+            if not self.done.query():  # fault the pages in while the device works, not after it
+                self.out.zero_()
             self.done.synchronize()
             self.out.copy_(self.pinned)
             self.done = None

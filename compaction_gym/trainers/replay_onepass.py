@@ -324,8 +324,10 @@ class OnePassReplay:
         self._slot_row = np.repeat(np.arange(len(sizes)), sizes)  # each slot's trajectory
         self._table_parts = {
             "k": [(self._stage(t.k), 0) for t in self.plan.tables],
-            "b": [(None if c is None else self._stage(c), w) for t in self.plan.tables for c, w in zip(t.chunks, t.widths)],
-        }  # (part, width): a bias chunk of None is zeros
+            # a table's biases joined on the host (SlotTable.bias: cached, often already read by the
+            # simulation): one staged array per trajectory instead of one per event
+            "b": [(self._stage(t.bias()) if t.biased[: t.n].any() else None, t.n) for t in self.plan.tables],
+        }  # (part, width): a part of None is zeros
         # a key slot holds a token; its key row is row·width + token (int32: rows < 2**31)
         self._key_offsets = self._stage((self._slot_row * self.width).astype(np.int32))
         self._tables = {name: _Staged(None, None) for name in "kb"}  # set by _join_tables

@@ -35,6 +35,7 @@ def test_upload_takes_numpy_arrays_and_tensors_on_cpu():
     got = upload(inputs, torch.device("cpu"))
     _check(got, inputs, "cpu")
     assert got[0] is inputs[0]  # a CPU tensor is passed through
+    assert upload([], torch.device("cpu")) == []
 
 
 @pytest.mark.gpu
@@ -45,6 +46,14 @@ def test_upload_takes_numpy_arrays_and_tensors_on_cuda():
     got = upload(inputs, torch.device("cuda"))
     torch.cuda.synchronize()
     _check(got, inputs, "cuda")
+    arrays = [np.asarray(x) for x in inputs]  # arrays only: written into the pinned buffer by numpy
+    got = upload(arrays, torch.device("cuda"))
+    torch.cuda.synchronize()
+    _check(got, arrays, "cuda")
+    flags = [np.array([[True, False]]), np.zeros(3, bool)]
+    got = upload(flags, torch.device("cuda"))
+    assert [g.dtype for g in got] == [torch.bool] * 2
+    assert [g.cpu().numpy().tolist() for g in got] == [f.tolist() for f in flags]
 
 
 def _indices_and_beta(device: str) -> tuple[torch.Tensor, torch.Tensor]:
