@@ -25,7 +25,7 @@ def upload(tensors: list[torch.Tensor | np.ndarray], device: torch.device) -> li
     ``split``: a call staging many small arrays (one-pass replay's plan: hundreds) costs about one
     torch operation per array instead of four (docs/grpo.md, "Slot tables")."""
     if device.type == "cpu" or not tensors:
-        return [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
+        return [_as_tensor(t) for t in tensors]
     shapes = [tuple(t.shape) for t in tensors]
     sizes = [math.prod(shape) for shape in shapes]
     pinned = device.type == "cuda"
@@ -34,11 +34,15 @@ def upload(tensors: list[torch.Tensor | np.ndarray], device: torch.device) -> li
         flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pinned)
         np.concatenate([t.reshape(-1) for t in tensors], out=flat.numpy())
     else:
-        host = [torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in tensors]
+        host = [_as_tensor(t) for t in tensors]
         flat = torch.empty(sum(sizes), dtype=host[0].dtype, pin_memory=pinned)
         torch.cat([t.reshape(-1) for t in host], out=flat)
     flat = flat.to(device, non_blocking=True)
     return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+def _as_tensor(t: torch.Tensor | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
 
 
 class HostCopy:
