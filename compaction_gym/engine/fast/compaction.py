@@ -81,11 +81,14 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n", "T", "s", "e"])  # sizes vary per event: compile once
     def _stats_kernel(
-        Q, K, V, KB, LSE_ALL, LSE_SPAN, Y,
+        Q, K, V, KB, MASK, LSE_ALL, LSE_SPAN, Y,
         stride_qb, stride_qn, stride_kb, stride_kt, stride_vb, stride_vt, stride_kbb, stride_yb, stride_yn, stride_yd,
         n, T, s, e, scale_log2,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
+        """Per probe, its log-sum-exp over the whole row and over the span, and its span attention
+        output ``Y``; a padding probe (``MASK`` 0) gets ``lse_all = +inf`` and ``Y = 0``."""
         mb = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -125,10 +128,16 @@ if HAS_TRITON:
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         lse_all2 = mx + tl.log2(tl.exp2(m_o - mx) * l_o + tl.exp2(lse_span2 - mx))
         ln2 = 0.6931471805599453
-        tl.store(LSE_ALL + b * n + offs_m, lse_all2 * ln2, mask=mmask)
+        y = acc / l_s[:, None]
+        lse_all = lse_all2 * ln2
+        if HAS_MASK:
+            real = tl.load(MASK + b * n + offs_m, mask=mmask, other=0) != 0
+            lse_all = tl.where(real, lse_all, float("inf"))
+            y = tl.where(real[:, None], y, 0.0)
+        tl.store(LSE_ALL + b * n + offs_m, lse_all, mask=mmask)
         tl.store(LSE_SPAN + b * n + offs_m, lse_span2 * ln2, mask=mmask)
         y_ptr = Y + b * stride_yb + offs_m[:, None] * stride_yn + offs_d[None, :] * stride_yd
-        tl.store(y_ptr, acc / l_s[:, None], mask=mmask[:, None])
+        tl.store(y_ptr, y, mask=mmask[:, None])
 
     @triton.jit(do_not_specialize=["n", "s", "e"])
     def _importance_kernel(
@@ -251,7 +260,8 @@ def _span_stats(
 
     Padding probes (``query_mask`` ``False``) get ``lse_all = +inf``, so their attention, and their
     share of the importance, is exactly 0 (the importance is then the real probes' RMS attention
-    scaled by ``sqrt(n_real / n)``, a per-row constant: the same top-t set).
+    scaled by ``sqrt(n_real / n)``, a per-row constant: the same top-t set), and ``Y = 0``, which
+    leaves them out of C2's products.
     """
     batch, T, d = keys.shape
     n = queries.shape[1]
@@ -266,14 +276,13 @@ def _span_stats(
     kb = key_bias.float().contiguous() if key_bias is not None else lse_all
     common = dict(HAS_BIAS=key_bias is not None, D=d, IEEE=ieee)
     block_m = 64
+    mask = query_mask.contiguous() if query_mask is not None else lse_all  # never read without HAS_MASK
     _stats_kernel[(triton.cdiv(n, block_m), batch)](
-        queries, keys, values, kb, lse_all, lse_span, y,
+        queries, keys, values, kb, mask, lse_all, lse_span, y,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        kb.stride(0), *y.stride(), n, T, s, e, scale * 1.4426950408889634,
+        kb.stride(0), *y.stride(), n, T, s, e, scale * 1.4426950408889634, HAS_MASK=query_mask is not None,
         BLOCK_M=block_m, BLOCK_N=32 if ieee else 64, num_warps=4, num_stages=2 if ieee else 3, **common,
     )  # fmt: skip
-    if query_mask is not None:
-        lse_all.masked_fill_(~query_mask, float("inf"))
     _importance_kernel[(triton.cdiv(e - s, 64), batch)](
         queries, keys, kb, lse_all, imp,
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), kb.stride(0),
@@ -461,9 +470,7 @@ def compact_fast(
         if old_beta is not None:
             beta = beta + old_beta
         beta = beta.clamp(-BETA_CLAMP, BETA_CLAMP)
-    x = _kept_softmax(keys, queries, indices, beta, scale, query_mask)
-    if query_mask is not None:  # padding probes leave the C2 solve (x's rows are already zero)
-        y.mul_(query_mask[:, :, None])
+    x = _kept_softmax(keys, queries, indices, beta, scale, query_mask)  # padding probes: zero rows of x and y
     gather = indices[:, :, None].expand(-1, -1, d)
     # the package's C2 solve, sync-free: a problem that does not factor keeps its selected rows' values.
     # The real probes are known (a softmax row is never all zero), so no pass over x counts them.
