@@ -52,10 +52,9 @@ class HostCopy:
     call and write-back before it waits once).
 
     :attr:`indices` and :attr:`beta` are the host tensors at once (views of one pageable buffer,
-    its pages faulted in while the wait waits), their values valid after :meth:`wait`: the
+    its pages faulted in while the host waits), their values valid after :meth:`wait`: the
     two travel as the bytes of one buffer, the indices' and then β's, so they land bit-exact and
-    the host does no per-element work (numpy's strided copies into fresh arrays cost ~150 µs on an
-    H100 machine's host, after the device had finished).
+    the host's work after the wait is one whole-buffer copy (docs/design-notes.md).
     """
 
     def __init__(self, indices: torch.Tensor, beta: torch.Tensor | None) -> None:
