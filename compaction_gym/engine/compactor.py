@@ -294,10 +294,9 @@ class Compactor:
                 copy = HostCopy(blocks.indices, blocks.beta if recorded else None)
             with profiler_range("compaction.write_back"):
                 masses, kv_after = self._write_back(events, blocks)
-            launched.append((group, copy, masses, kv_after, time.perf_counter() - t0))
+            launched.append((group, events, copy, masses, kv_after, time.perf_counter() - t0))
         done: dict[int, CompactionEvent] = {}
-        for group, copy, masses, kv_after, launch_s in launched:
-            events = [pending[i] for i in group]
+        for group, events, copy, masses, kv_after, launch_s in launched:
             with profiler_range("compaction.record"):
                 # recorded while the copy is on its way: the records hold views of the host buffers it fills
                 done.update(zip(group, self._record(events, copy.indices, copy.beta, masses, kv_after)))

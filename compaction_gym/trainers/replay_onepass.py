@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from compaction_gym.compaction.scoring import attention_logits, half_product
 from compaction_gym.compaction.values import SOLVE_DTYPE, compute_dtype, factor_inverse, normal_matrix
@@ -43,6 +42,7 @@ from compaction_gym.engine.fast.flex import (
 )
 from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
+from compaction_gym.engine.profiling import profiler_range
 from compaction_gym.trainers.replay_plan import PER_HEAD, Fit, Plan, Snapshot, random_probe_tensor
 
 #: Pieces whose key widths differ by less than this factor share one padded SDPA call.
@@ -550,11 +550,11 @@ class OnePassReplay:
         keys = key.transpose(0, 1).reshape(H, B * N, d)
         values = value.transpose(0, 1).reshape(H, B * N, dv)
         q_rows = query.transpose(1, 2).reshape(B * N * Hq, d)  # token-major, query head fastest
-        with record_function("replay.compacted_values"):
+        with profiler_range("replay.compacted_values"):
             fitted = self._fitted_values(layer, q_rows, keys, values)
         key_rows = keys if self.through else torch.cat([keys, keys.detach()], 1)
         value_rows = torch.cat([values, *([] if self.through else [values.detach()]), *fitted], 1)
-        with record_function("replay.attention"):
+        with profiler_range("replay.attention"):
             if self._folds(query):  # β's head-dim columns added once per layer, not per bucket
                 key_rows, value_rows, q_rows = pad_head(key_rows), pad_head(value_rows), fold_query(q_rows)
             outs = [
@@ -671,7 +671,7 @@ class OnePassReplay:
         tf32 = TF32_BACKWARD and values.dtype in (torch.bfloat16, torch.float16)
         product = partial(_product, tf32 and grad)
         with torch.set_grad_enabled(grad), torch.autocast(query.device.type, enabled=False):
-            with record_function("replay.value_maps"):
+            with profiler_range("replay.value_maps"):
                 maps = []
                 for g in self.groups:
                     if grad:  # the solves' intermediates are large: recompute them in backward
@@ -679,7 +679,7 @@ class OnePassReplay:
                     else:
                         m = self._value_map(g, layer, query, keys)
                     maps.append(m)
-            with record_function("replay.c2_chain"):
+            with profiler_range("replay.c2_chain"):
                 raw, fit = [], []
                 for g, m in zip(self.groups, maps):
                     span = _gather_events(values, g.raw_idx[None], g.count).to(cdt)
@@ -735,10 +735,10 @@ class OnePassReplay:
         torch.Tensor, torch.Tensor, torch.Tensor
     ]:  # fmt: skip
         """:meth:`_value_map` with what its backward keeps: ``(M, A⁻¹, κ)``."""
-        with record_function("replay.value_maps.designs"):
+        with profiler_range("replay.value_maps.designs"):
             probes, span_keys, mask, bias = self._map_inputs(g, layer, query, keys)
             _, x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
-        with record_function("replay.value_maps.solve"):
+        with profiler_range("replay.value_maps.solve"):
             m, ok, a_inv, kappa = self._map_solve(g, layer, x, attn)
         self.failed.append(~ok)
         return m, a_inv, kappa
@@ -843,12 +843,12 @@ class _ValueMap(torch.autograd.Function):
         needs = ctx.needs_input_grad[4:]
         q, k = (t.detach().requires_grad_(n) for t, n in zip((query, keys), needs))
         off = torch.autocast(dm.device.type, enabled=False)
-        with record_function("replay.value_maps.backward.recompute"), off:
+        with profiler_range("replay.value_maps.backward.recompute"), off:
             with torch.enable_grad():
                 probes, span_keys, mask, bias = replay._map_inputs(g, layer, q, k)
             with torch.no_grad():
                 xs, x, attn = replay._map_designs(g, layer, probes.detach(), span_keys.detach(), mask, bias)
-        with record_function("replay.value_maps.backward.solve"), torch.no_grad(), off:
+        with profiler_range("replay.value_maps.backward.solve"), torch.no_grad(), off:
             cdt = x.dtype
             kept = g.kept[layer]  # [E·H, t]
             d_r = a_inv @ dm.to(a_inv.dtype)  # A⁻¹ dM (A symmetric), float64 [E·H, t, w]
@@ -857,7 +857,7 @@ class _ValueMap(torch.autograd.Function):
             d_lam += torch.gather(d_r, 2, kept[:, :, None]).sum((-2, -1))  # ... and in R, at the kept columns
             d_g = (d_a + d_a.mT).to(cdt)
             d_r = d_r.to(cdt)
-        with record_function("replay.value_maps.backward.softmax"), torch.no_grad(), off, _tf32(ctx.tf32):
+        with profiler_range("replay.value_maps.backward.softmax"), torch.no_grad(), off, _tf32(ctx.tf32):
             p_dr = torch.bmm(attn, d_r.mT)  # P·dRᵀ [E·H, n, t]
             d_x = torch.baddbmm(p_dr, x, d_g)  # from R = XᵀP and A's XᵀX
             d_x.add_(x * (2 * kappa * d_lam).to(cdt)[:, None, None])  # from λ's trace
@@ -876,7 +876,7 @@ class _ValueMap(torch.autograd.Function):
             d_logits = torch.bmm(lhs, rhs).mul_(attn)
             d_kept.mul_(replay.scale)
             d_logits.scatter_add_(2, kept[:, None, :].expand(-1, d_logits.shape[1], -1), d_kept)
-        with record_function("replay.value_maps.backward.keys"), off, _tf32(ctx.tf32):
+        with profiler_range("replay.value_maps.backward.keys"), off, _tf32(ctx.tf32):
             with torch.no_grad():
                 d_probes = torch.bmm(d_logits, span_keys.detach().to(cdt)).to(probes.dtype)
                 d_span = torch.bmm(d_logits.mT, probes.detach().to(cdt)).to(span_keys.dtype)
