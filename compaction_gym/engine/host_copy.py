@@ -51,36 +51,44 @@ class HostCopy:
     blocks until it has landed (docs/engine.md, "Batched events": a round launches every scoring
     call and write-back before it waits once).
 
-    :attr:`indices` and :attr:`beta` are the host tensors at once (views of one pageable buffer,
-    its pages faulted in while the host waits), their values valid after :meth:`wait`: the
-    two travel as the bytes of one buffer, the indices' and then β's, so they land bit-exact and
-    the host's work after the wait is one whole-buffer copy (docs/design-notes.md).
+    :attr:`indices` and :attr:`beta` are the host tensors at once (pageable, their pages faulted in
+    while the host waits), their values valid after :meth:`wait`: the two travel as the bytes of
+    one buffer, the indices' and then β's, so they land bit-exact, and each is filled by one byte
+    copy. They are tensors of their own, never views of one buffer under two dtypes: records
+    holding them are saved by ``torch.save`` and pickled like any tensor (docs/design-notes.md).
     """
 
     def __init__(self, indices: torch.Tensor, beta: torch.Tensor | None) -> None:
         shape = tuple(indices.shape)
+        self.done: torch.cuda.Event | None = None
+        if not indices.is_cuda:
+            self.indices = indices.to(torch.int64, copy=True)
+            self.beta = None if beta is None else beta.to(torch.float32, copy=True)
+            return
         packed = indices.to(torch.int64).reshape(-1).view(torch.uint8)
         if beta is not None:
             packed = torch.cat([packed, beta.to(torch.float32).reshape(-1).view(torch.uint8)])
-        self.done: torch.cuda.Event | None = None
-        self.out = packed  # on a CPU device: the packed tensor itself
-        if packed.is_cuda:
-            self.pinned = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
-            self.pinned.copy_(packed, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-            # pageable: records keep these long, the pinned block goes back to the allocator
-            self.out = torch.empty(packed.shape, dtype=torch.uint8)
-        n = 8 * math.prod(shape)
-        self.indices = self.out[:n].view(torch.int64).view(shape)
-        self.beta = self.out[n:].view(torch.float32).view(shape) if beta is not None else None
+        self.pinned = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+        self.pinned.copy_(packed, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+        # pageable: records keep these long, the pinned block goes back to the allocator
+        self.indices = torch.empty(shape, dtype=torch.int64)
+        self.beta = torch.empty(shape, dtype=torch.float32) if beta is not None else None
+
+    def _bytes(self) -> list[torch.Tensor]:
+        """The host tensors' bytes, in the order they travel."""
+        return [t.view(-1).view(torch.uint8) for t in (self.indices, self.beta) if t is not None]
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(indices, beta)`` on the host (``beta`` ``None`` when none was sent), once landed."""
         if self.done is not None:
+            parts = self._bytes()
             if not self.done.query():  # fault the pages in while the device works, not after it
-                self.out.zero_()
+                for part in parts:
+                    part.zero_()
             self.done.synchronize()
-            self.out.copy_(self.pinned)
+            for part, src in zip(parts, self.pinned.split([p.numel() for p in parts])):
+                part.copy_(src)
             self.done = None
         return self.indices, self.beta

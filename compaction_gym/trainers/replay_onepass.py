@@ -40,6 +40,7 @@ from compaction_gym.engine.fast.flex import (
     key_bias_attention,
     position_block_mask,
 )
+from compaction_gym.engine.fast.gather import gather_rows
 from compaction_gym.engine.fast.softmax import kept_and_span_softmax_of, span_and_kept_softmax
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.profiling import profiler_range
@@ -651,7 +652,7 @@ class OnePassReplay:
         function making it) read every row at most once: with a gradient, through :class:`_ReadOnce`
         and its inverse map, built at the first use and kept with the plan under ``key``."""
         if not (torch.is_grad_enabled() and src.requires_grad):
-            return torch.nn.functional.embedding(idx, src)
+            return gather_rows(src, idx)
         if key not in self._inverses:
             mask = (real() if callable(real) else real).reshape(-1)
             self._inverses[key] = _inverse(idx, mask, src.shape[0])
@@ -703,7 +704,7 @@ class OnePassReplay:
                         if lv in g.chain:
                             refs, rows = g.chain[lv]
                             src = flat[refs[0]] if len(refs) == 1 else torch.cat([flat[x] for x in refs])
-                            prev = src.index_select(0, rows).reshape((hi - lo) * H, -1, dv).to(cdt)
+                            prev = gather_rows(src, rows).reshape((hi - lo) * H, -1, dv).to(cdt)
                             c2 = product(c2, mf[lv], prev)
                         parts.append(c2.to(values.dtype).reshape(-1, dv))
                     flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -753,7 +754,7 @@ class OnePassReplay:
         mask = g.probe_mask
         if g.kind == "suffix":  # one row gather straight into the event-major layout [E·H, G·n, d]
             groups = self._q_heads // H
-            probes = torch.nn.functional.embedding(g.probe_idx, query).reshape(g.count * H, groups * g.n, d)
+            probes = gather_rows(query, g.probe_idx).reshape(g.count * H, groups * g.n, d)
             if mask is not None:
                 mask = mask[:, None, None, :].expand(-1, H, groups, -1).reshape(g.count * H, groups * g.n)
         else:
@@ -953,14 +954,15 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Ten
     ``[P, H, W, d]``, and a view away from the plan's event-major ``[E·H, w, d]`` batch), for ``x``
     ``[H, R, d]`` and ``idx`` ``[H|1, blocks·w]``.
 
-    Row gathers as an embedding lookup, not ``gather``: one index per row instead of one per
-    element, and a backward that sums each source row's gradients after sorting the indices
-    (measured 1.2–1.8× faster on an H200 than ``index_select``'s ``index_add``, docs/grpo.md). The
-    indices are put in block-major order first, so no transpose of the gathered rows is copied."""
+    Row gathers (:func:`~compaction_gym.engine.fast.gather.gather_rows`), not ``gather``: one index
+    per row instead of one per element, at memory bandwidth on a GPU, and embedding's backward,
+    which sums each source row's gradients after sorting the indices (measured 1.2–1.8× faster on
+    an H200 than ``index_select``'s ``index_add``, docs/grpo.md). The indices are put in
+    block-major order first, so no transpose of the gathered rows is copied."""
     H, R = x.shape[0], x.shape[1]
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
     flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
-    return torch.nn.functional.embedding(flat, x.reshape(H * R, -1)).reshape(blocks, H, -1, x.shape[-1])
+    return gather_rows(x.reshape(H * R, -1), flat).reshape(blocks, H, -1, x.shape[-1])
 
 
 def _inverse(idx: torch.Tensor, real: torch.Tensor, rows: int) -> torch.Tensor:
@@ -982,13 +984,13 @@ class _ReadOnce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, src: torch.Tensor, idx: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        return torch.nn.functional.embedding(idx, src)
+        return gather_rows(src, idx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (inverse,) = ctx.saved_tensors
         grad = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])  # row len(idx): no reader
-        return torch.nn.functional.embedding(inverse, grad), None, None
+        return gather_rows(grad, inverse), None, None
 
 
 def _head_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import io
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +79,20 @@ def _check_copy(device: str) -> None:
     assert none is None and torch.equal(alone, indices[:, 1:].cpu())
     empty, empty_b = HostCopy(indices[..., :0], beta[..., :0]).wait()
     assert empty.shape == empty_b.shape == (3, 4, 0)
+    # records hold these: they must save and pickle like any tensor (not one buffer under two dtypes)
+    buf = io.BytesIO()
+    torch.save({"indices": got_i, "beta": got_b}, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert torch.equal(back["indices"], indices.cpu())
+    assert torch.equal(back["beta"].view(torch.int32), beta.cpu().view(torch.int32))
+    again = pickle.loads(pickle.dumps((got_i, got_b)))
+    assert torch.equal(again[0], got_i) and torch.equal(again[1].view(torch.int32), got_b.view(torch.int32))
+    # nor views of the input: the caller may reuse its device or host tensors
+    src, want = indices.clone(), indices.cpu().clone()
+    mine, _ = HostCopy(src, None).wait()
+    src.zero_()
+    assert torch.equal(mine, want)
 
 
 def test_host_copy_is_bit_exact_on_cpu():
@@ -91,3 +108,26 @@ def test_host_copy_is_bit_exact_on_cuda_and_leaves_pageable_memory():
     got_i, got_b = HostCopy(indices, beta.bfloat16()).wait()  # β cast to float32 on the way
     assert not got_i.is_pinned() and not got_b.is_pinned()  # records live long; pinned memory goes back
     assert torch.equal(got_b.view(torch.int32), beta.bfloat16().float().cpu().view(torch.int32))
+
+
+def test_a_session_with_beta_events_saves_and_loads(engine):
+    """The records the compactor fills from a ``HostCopy`` go through ``torch.save`` whole (a session's
+    events with β, several of them, as ``bench_replay.py --save-views`` saves them)."""
+    from engine_helpers import make_prompt
+
+    from compaction_gym.engine import CompactionConfig, SamplingParams
+
+    config = CompactionConfig(
+        mode="attention_matching", compute_beta=True, max_kv_len=48, compact_window=24, n_probe_queries=8
+    )
+    sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    sid = engine.create_session(make_prompt(40, seed=1), config, sampling).session_id
+    view = engine.session(sid)
+    assert len(view.events) >= 2 and all(e.beta is not None for e in view.events)
+    buf = io.BytesIO()
+    torch.save({"events": view.events}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)["events"]
+    for a, b in zip(view.events, back):
+        assert torch.equal(a.indices, b.indices)
+        assert torch.equal(a.beta.view(torch.int32), b.beta.view(torch.int32))

@@ -12,9 +12,10 @@
 * :mod:`~compaction_gym.engine.fast.sampler` — sampling on the device with counter-based RNG;
 * :mod:`~compaction_gym.engine.fast.compaction` — :func:`compact_fast`, fused Attention Matching;
 * :mod:`~compaction_gym.engine.fast.nnls` — β's NNLS as a fixed number of FISTA iterations in one
-  Triton kernel (no factorisation, no host sync).
+  Triton kernel (no factorisation, no host sync);
 * :mod:`~compaction_gym.engine.fast.softmax` — one-pass replay's design softmaxes in one pass;
-* :mod:`~compaction_gym.engine.fast.flex` — one-pass replay's β attention through FlexAttention.
+* :mod:`~compaction_gym.engine.fast.flex` — one-pass replay's β attention through FlexAttention;
+* :mod:`~compaction_gym.engine.fast.gather` — row gathers at memory bandwidth (one-pass replay's layouts).
 
 ``Engine(..., fast=None)`` picks this path on CUDA for supported models. See docs/fast-path.md.
 """
