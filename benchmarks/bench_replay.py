@@ -83,8 +83,10 @@ def configs(args) -> dict[str, CompactionConfig]:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["qwen3-0.6b", "qwen3-4b", "tiny"], default=None,
-                   help="default: qwen3-0.6b on CUDA, tiny on CPU")  # fmt: skip
+    p.add_argument("--model", choices=["qwen3-0.6b", "qwen3-4b", "qwen3-0.6b-layout", "tiny"], default=None,
+                   help="default: qwen3-0.6b on CUDA, tiny on CPU; qwen3-0.6b-layout: 0.6B's layers, heads and "
+                        "head dim at tiny widths, so a CPU run saves sessions whose events have the 0.6B "
+                        "layout (--save-views for bench_replay_plan.py)")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on CUDA")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256 GPU / 16 CPU)")
@@ -111,6 +113,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-views", default=None, help="--batch: torch.save the sessions here (bench_replay_plan.py)"
     )
+    p.add_argument("--save-only", action="store_true", help="--save-views: stop once the sessions are saved")
     p.add_argument("--methods", nargs="+", default=["one_pass", "one_pass_reused", "segments"],
                    choices=["one_pass", "one_pass_reused", "segments"],
                    help="--batch: replay methods (one_pass_reused: one pass whose plan a ReplayPlanCache kept from "
@@ -121,7 +124,9 @@ def make_parser() -> argparse.ArgumentParser:
 def build_model(args):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    shape = TINY if args.model == "tiny" else QWEN3_SHAPES[args.model]
+    shape = TINY if args.model == "tiny" else QWEN3_SHAPES[args.model.removesuffix("-layout")]
+    if args.model.endswith("-layout"):  # the cache layout (what a replay plan depends on), narrow widths
+        shape = {**shape, "hidden_size": 256, "intermediate_size": 256, "vocab_size": 2048}
     torch.manual_seed(args.seed)
     config = Qwen3Config(**shape, attn_implementation="sdpa", initializer_range=args.init_std)
     with torch.device(args.device):
@@ -330,6 +335,10 @@ def main_batch(args, model) -> int:
         torch.save({"views": views}, args.save_views)  # for bench_replay_plan.py
     tokens = [len(v.token_ids) for v in views]
     events = [len(v.events) for v in views]
+    if args.save_views and args.save_only:
+        print(f"saved {len(views)} sessions to {args.save_views} ({gen_s:.1f} s): {sum(tokens)} tokens, "
+              f"{sum(events)} events")  # fmt: skip
+        return 0
     print(f"\n{device_line()}; model {args.model} {args.dtype}; {args.batch} sessions ({args.config}, "
           f"{'fast' if fast else 'generic'} engine, {gen_s:.1f} s): prompt {args.prompt}, {args.turns} turns × "
           f"({args.turn_input // 2}–{args.turn_input * 3 // 2} in + {args.turn_tokens} sampled); tokens "

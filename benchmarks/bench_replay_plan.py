@@ -10,6 +10,13 @@ trajectories reshuffled into chunks (simulations kept, device plans rebuilt). No
 Usage:
     python benchmarks/bench_replay.py --batch 8 --turns 40 ... --save-views /tmp/views.pt
     python benchmarks/bench_replay_plan.py --views /tmp/views.pt --device cuda
+
+Without a GPU, the target-1 sessions with the 0.6B cache layout (28 layers × 8 KV heads; 28,453
+tokens and 180 events, as on the GPU) come from a narrow model on CPU in ~6 minutes:
+
+    python benchmarks/bench_replay.py --device cpu --model qwen3-0.6b-layout --batch 8 --turns 40 \
+        --prompt 128 --turn-input 60 --turn-tokens 24 --max-kv-len 384 --probes 256 \
+        --config "AM kv-budget β" --save-views /tmp/views.pt --save-only
 """
 
 from __future__ import annotations
