@@ -23,6 +23,53 @@ def test_on_cpu_it_is_embedding():
     assert torch.equal(x.grad, want)
 
 
+class _EmulatedKernel:
+    """``_gather_rows_kernel[grid](...)`` in torch on the CPU: what the Triton program computes
+    (rows at a row stride, a zero row for an index outside ``[0, rows)``), written into ``out``."""
+
+    def __getitem__(self, grid):
+        def launch(x, flat, out, n, rows, stride_x, D, BLOCK_D, BLOCK_R, num_warps):
+            assert grid[0] * BLOCK_R >= n and BLOCK_D >= D and out.is_contiguous()
+            src = torch.as_strided(x, (rows, D), (stride_x, 1))
+            ok = (flat >= 0) & (flat < rows)
+            out.view(-1, D).copy_(src[flat.clamp(0, rows - 1)] * ok[:, None])
+
+        return launch
+
+
+def test_the_autograd_function_on_cpu_with_the_kernel_emulated(monkeypatch):
+    """The Triton path's autograd structure, run on the CPU with the kernel emulated: values and
+    gradients equal embedding's for indices of several shapes, and the output may be written in
+    place (as the folded-β attention writes its gathered keys) before the backward."""
+    from types import SimpleNamespace
+
+    import compaction_gym.engine.fast.gather as gather
+
+    monkeypatch.setattr(gather, "_gather_rows_kernel", _EmulatedKernel(), raising=False)
+    monkeypatch.setattr(
+        gather, "triton", SimpleNamespace(next_power_of_2=lambda v: 1 << (v - 1).bit_length(),
+                                          cdiv=lambda a, b: -(-a // b)), raising=False,
+    )  # fmt: skip
+    monkeypatch.setattr(gather, "gather_supported", lambda x, idx: True)
+    g = torch.Generator().manual_seed(0)
+    for shape, d in (((7,), 5), ((3, 4), 136), ((2, 0), 8), ((2, 3, 5), 1)):
+        x = torch.randn(40, d, generator=g, dtype=torch.float64)
+        idx = torch.randint(0, 40, shape, generator=g)
+        xg, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        got, want = gather_rows(xg, idx), torch.nn.functional.embedding(idx, xe)
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert got._base is None  # a tensor of its own, not a view made inside the Function
+        grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        for y in (got, want):
+            y[..., d - 1] = 0  # through a view, in place
+            y.backward(grad)
+        assert torch.equal(xg.grad, xe.grad)
+        with torch.no_grad():
+            assert torch.equal(gather_rows(x, idx), x[idx])
+    far = gather_rows(torch.ones(4, 3), torch.tensor([1, 4, -1]))
+    assert far.tolist() == [[1.0] * 3, [0.0] * 3, [0.0] * 3]
+
+
 def _check(rows: int, d: int, shape: tuple[int, ...], dtype: torch.dtype, index_dtype: torch.dtype,
            seed: int, row_stride: int | None = None) -> None:  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -51,19 +51,19 @@ def gather_supported(x: torch.Tensor, idx: torch.Tensor) -> bool:
     )
 
 
-def _launch(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``x[flat]`` ``[n, d]`` for 1-D indices: a fresh tensor, never a view (a view made inside an
-    autograd Function may not be written in place afterwards, and the folded-β attention writes
-    into its gathered keys)."""
+def _launch(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` ``[*idx.shape, d]`` as a fresh tensor of that shape, never a view: a view made
+    inside an autograd Function may not be written in place afterwards, and the folded-β attention
+    writes its β columns into the gathered keys."""
+    flat = idx.reshape(-1).contiguous()
     n, d = flat.numel(), x.shape[1]
-    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((*idx.shape, d), dtype=x.dtype, device=x.device)  # rows at r·d, as [n, d]
     if n and d:
         block_d = triton.next_power_of_2(d)
         block_r = max(1, min(128, _PROGRAM_BYTES // (block_d * x.element_size())))
         _gather_rows_kernel[(triton.cdiv(n, block_r),)](
-            x, flat.contiguous(), out, n, x.shape[0], x.stride(0), D=d, BLOCK_D=block_d, BLOCK_R=block_r,
-            num_warps=4,
-        )  # fmt: skip
+            x, flat, out, n, x.shape[0], x.stride(0), D=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4
+        )
     return out
 
 
@@ -77,22 +77,25 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         (idx,) = ctx.saved_tensors
-        # embedding's own backward: the same sums in the same order as through embedding
-        return torch.ops.aten.embedding_dense_backward(grad, idx, ctx.rows, -1, False), None
+        # embedding's own backward: the same sums as through embedding
+        rows = torch.ops.aten.embedding_dense_backward(
+            grad.reshape(-1, grad.shape[-1]), idx.reshape(-1), ctx.rows, -1, False
+        )
+        return rows, None
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]``: rows of a 2-D ``x`` ``[rows, d]`` for indices of any shape, ``[*idx.shape, d]``.
 
     The same values as ``torch.nn.functional.embedding(idx, x)`` and, when ``x`` requires a
-    gradient, the same gradient. Indices must lie in ``[0, rows)`` (on the Triton path one outside
-    reads a zero row; ``embedding`` raises).
+    gradient, its gradient (embedding's backward). Indices must lie in ``[0, rows)`` (on the
+    Triton path one outside reads a zero row; ``embedding`` raises).
     """
     if not gather_supported(x, idx):
         return torch.nn.functional.embedding(idx, x)
-    flat = idx.reshape(-1)
-    rows = _GatherRows.apply(x, flat) if x.requires_grad and torch.is_grad_enabled() else _launch(x, flat)
-    return rows.reshape(*idx.shape, x.shape[1])  # the view made out here: writable in place
+    if x.requires_grad and torch.is_grad_enabled():
+        return _GatherRows.apply(x, idx)
+    return _launch(x, idx)
 
 
 __all__ = ["gather_rows", "gather_supported"]
