@@ -59,12 +59,12 @@ class HostCopy:
     """
 
     def __init__(self, indices: torch.Tensor, beta: torch.Tensor | None) -> None:
-        shape = tuple(indices.shape)
         self.done: torch.cuda.Event | None = None
         if not indices.is_cuda:
             self.indices = indices.to(torch.int64, copy=True)
             self.beta = None if beta is None else beta.to(torch.float32, copy=True)
             return
+        shape = tuple(indices.shape)
         packed = indices.to(torch.int64).reshape(-1).view(torch.uint8)
         if beta is not None:
             packed = torch.cat([packed, beta.to(torch.float32).reshape(-1).view(torch.uint8)])
@@ -75,20 +75,19 @@ class HostCopy:
         # pageable: records keep these long, the pinned block goes back to the allocator
         self.indices = torch.empty(shape, dtype=torch.int64)
         self.beta = torch.empty(shape, dtype=torch.float32) if beta is not None else None
-
-    def _bytes(self) -> list[torch.Tensor]:
-        """The host tensors' bytes, in the order they travel."""
-        return [t.view(-1).view(torch.uint8) for t in (self.indices, self.beta) if t is not None]
+        # each host tensor's bytes and where they lie in the pinned buffer, cut now (while the
+        # device works) so that after the wait only the copies run
+        dst = [t.view(-1).view(torch.uint8) for t in (self.indices, self.beta) if t is not None]
+        self._parts = list(zip(dst, self.pinned.split([d.numel() for d in dst])))
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(indices, beta)`` on the host (``beta`` ``None`` when none was sent), once landed."""
         if self.done is not None:
-            parts = self._bytes()
             if not self.done.query():  # fault the pages in while the device works, not after it
-                for part in parts:
-                    part.zero_()
+                for dst, _ in self._parts:
+                    dst.zero_()
             self.done.synchronize()
-            for part, src in zip(parts, self.pinned.split([p.numel() for p in parts])):
-                part.copy_(src)
-            self.done = None
+            for dst, src in self._parts:
+                dst.copy_(src)
+            self.done, self._parts = None, []
         return self.indices, self.beta
