@@ -30,17 +30,22 @@ forward and forward + backward, each the median of ``--repeats``. ``one_pass`` b
 every call (as the first pass of a GRPO step); ``one_pass_reused`` takes it from a
 :class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache` (as the step's later passes over the
 same trajectories); the plan's own build time (host simulation, device plan) is printed below.
+``--chunks K`` also times a GRPO log-prob pass over ``K`` chunks (copies of the batch) with each
+chunk's plan built in line, with the next chunk's plan built during the current chunk's forward
+(``prefetch``, as the trainer does) and with every plan kept, against ``K`` plain forwards.
 
 Usage:
     python benchmarks/bench_replay.py                 # GPU: qwen3-0.6b bf16, both engine paths
     python benchmarks/bench_replay.py --grad --repeats 5
     python benchmarks/bench_replay.py --model tiny --device cpu
     python benchmarks/bench_replay.py --batch 8 --turns 40 --grad   # a GRPO batch, BabyAI-length
+    python benchmarks/bench_replay.py --batch 8 --turns 40 --chunks 4   # a pass over 4 chunks
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -118,6 +123,9 @@ def make_parser() -> argparse.ArgumentParser:
                    choices=["one_pass", "one_pass_reused", "segments"],
                    help="--batch: replay methods (one_pass_reused: one pass whose plan a ReplayPlanCache kept from "
                    "an earlier pass over the batch, as a GRPO step's later passes)")  # fmt: skip
+    p.add_argument("--chunks", type=int, default=0,
+                   help="--batch: also time a GRPO log-prob pass over this many chunks (copies of the batch), "
+                   "plans built in line, built ahead (prefetch) and kept")  # fmt: skip
     return p
 
 
@@ -359,6 +367,8 @@ def main_batch(args, model) -> int:
             f"\nGRPO step (one_pass fwd + one_pass_reused fwd+bwd): {step:.3f} s against plain fwd + fwd+bwd "
             f"{plain:.3f} s: {step / plain:.2f}×"
         )
+    if args.chunks > 1:
+        print_table(["pass over chunks", "s", "ratio"], chunked_pass(model, views, args))
     if "one_pass" in args.methods or "one_pass_reused" in args.methods:
         host, dev, reused = plan_build_times(model, views, args)
         print(
@@ -367,6 +377,37 @@ def main_batch(args, model) -> int:
             "(each one_pass_reused call)"
         )
     return 0
+
+
+def chunked_pass(model, views, args) -> list[list[object]]:
+    """A GRPO log-prob pass (no gradient) over ``--chunks`` chunks, each a copy of the batch (new
+    trajectory objects, so no plan is shared between chunks), as the trainer replays a generation
+    batch: plain forwards; one-pass replay building each chunk's plan in line (a fresh
+    ``ReplayPlanCache`` per pass); the same with each call building the next chunk's plan while its
+    own forward runs (``prefetch``); and a later pass whose plans are all kept."""
+    chunks = [[copy.copy(v) for v in views] for _ in range(args.chunks)]
+
+    def replay_pass(cache: ReplayPlanCache, ahead: bool) -> list[torch.Tensor]:
+        out = []
+        for k, chunk in enumerate(chunks):
+            nxt = chunks[k + 1] if ahead and k + 1 < len(chunks) else None
+            out += replay_logprobs_batch(model, chunk, method="one_pass", plan_cache=cache, prefetch=nxt).logprobs
+        return out
+
+    kept = ReplayPlanCache(max_device_plans=args.chunks)
+    in_line, ahead = replay_pass(ReplayPlanCache(), False), replay_pass(kept, True)
+    diff = max((a - b).abs().max().item() for a, b in zip(in_line, ahead))
+    times = {
+        "plain": timed(lambda: [plain_batch_logprobs(model, c, False) for c in chunks], args.device, args.repeats),
+        "one pass, plans built in line": timed(lambda: replay_pass(ReplayPlanCache(), False), args.device, args.repeats),
+        "one pass, next plan built ahead (prefetch)": timed(
+            lambda: replay_pass(ReplayPlanCache(), True), args.device, args.repeats
+        ),
+        "one pass, plans kept": timed(lambda: replay_pass(kept, False), args.device, args.repeats),
+    }  # fmt: skip
+    print(f"\n{args.chunks} chunks of {len(views)}, no gradient, median of {args.repeats}; "
+          f"max |in line − ahead| log-prob {diff:.1e}")  # fmt: skip
+    return [[name, t, t / times["plain"]] for name, t in times.items()]
 
 
 def plan_build_times(model, views, args) -> tuple[float, float, float]:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from compaction_gym.compaction import RowMap, apply_event, event_probes
 from compaction_gym.compaction.events import CompactionEvent
 from compaction_gym.compaction.modes import REPEAT_SOURCES, SUFFIX_SOURCES, replay_needs_probes
+from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.model_runner import ModelLayout
 from compaction_gym.errors import InvalidArgumentError
 from compaction_gym.trainers.replay_attention import (
@@ -185,6 +186,7 @@ def replay_logprobs_batch(
     batch_events: bool = True,
     method: str = "auto",
     plan_cache: ReplayPlanCache | None = None,
+    prefetch: Sequence[Replayable] | None = None,
 ) -> ReplayOutput:
     """:func:`replay_logprobs` for several trajectories, batched.
 
@@ -217,6 +219,13 @@ def replay_logprobs_batch(
         plan_cache: a :class:`~compaction_gym.trainers.replay_cache.ReplayPlanCache` that keeps the
             one-pass plans for later calls over the same trajectories (any chunking or order); the
             results are those of a fresh plan. One pass only.
+        prefetch: the trajectories of the next call over ``plan_cache`` (scored at their sampled
+            tokens, with this call's ``temperature`` and gradient settings): their one-pass plan is
+            built into the cache once this call's forward is launched, before this call waits for
+            the device, so the plan's host work overlaps this call's device work and the next call
+            finds its plan kept (docs/grpo.md, "Building the next chunk's plan during this one").
+            Needs ``plan_cache``. A record of theirs that does not replay is left for the next call
+            to report. Nothing is built when this call replays by segments.
 
     Returns:
         :class:`ReplayOutput`.
@@ -235,6 +244,10 @@ def replay_logprobs_batch(
         )
     if method not in REPLAY_METHODS:
         raise InvalidArgumentError(f"method must be one of {REPLAY_METHODS}, got {method!r}")
+    if prefetch is not None and plan_cache is None:
+        raise InvalidArgumentError(
+            "prefetch builds the next call's plan into plan_cache: pass a plan_cache too"
+        )
     base = unwrap(model)
     layout = ModelLayout.from_model(base)
     param = next(base.parameters())
@@ -252,7 +265,7 @@ def replay_logprobs_batch(
             # (and shared with the gradient pass's plan when it lets gradients through)
             model, base, layout, param, trajectories, grad=grad, through=grad_through_compaction or not grad,
             temperature=temperature, positions=positions, compute_entropy=compute_entropy,
-            return_logits=return_logits, fused_lm_head=fused_lm_head, plan_cache=plan_cache,
+            return_logits=return_logits, fused_lm_head=fused_lm_head, plan_cache=plan_cache, prefetch=prefetch,
         )  # fmt: skip
         if out is not None:
             return out
@@ -298,31 +311,23 @@ def _replay_one_pass(
     return_logits: bool,
     fused_lm_head: bool,
     plan_cache: ReplayPlanCache | None,
+    prefetch: Sequence[Replayable] | None = None,
 ) -> ReplayOutput | None:
     """:func:`replay_logprobs_batch` by one forward (docs/grpo.md, "Replay in one pass"); ``None``
     when a value map's solve failed (the caller replays by segments)."""
-    targets = [
-        scored_positions(t, None if positions is None else positions[i], i)
-        for i, t in enumerate(trajectories)
-    ]
-    configs = []
-    for t in trajectories:
-        cfg = _session_config(t)
-        configs.append((int(cfg.get("n_probe_queries", 256)), float(cfg.get("ridge", 1e-4))))
-    temperatures = [temperature if temperature is not None else sampling_temperature(t) for t in trajectories]
     replay, order = _one_pass_plan(
-        list(trajectories), targets, temperatures, configs, layout, param, through=through, cache=plan_cache
-    )
+        list(trajectories), *_plan_inputs(trajectories, positions, temperature), layout, param, through=through,
+        cache=plan_cache,
+    )  # fmt: skip
     plan, device = replay.plan, param.device
-    ids, pos = padded_inputs(plan)
-    kwargs: dict[str, Any] = {
-        "input_ids": ids.to(device), "position_ids": pos.to(device), "use_cache": False, "replay_plan": replay,
-    }  # fmt: skip
+    ids, pos = upload(list(padded_inputs(plan)), device)  # asynchronous: the host runs ahead of the device
+    kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos, "use_cache": False, "replay_plan": replay}  # fmt: skip
     switch = _replay_attention_switch(model, base, grad)
     entropies = logits = None
     with torch.enable_grad() if grad else torch.no_grad(), switch:
         if fused_lm_head:
-            out = model(**kwargs, shift_labels=shifted_labels(plan).to(device), fused_lm_head=True)
+            (labels,) = upload([shifted_labels(plan)], device)
+            out = model(**kwargs, shift_labels=labels, fused_lm_head=True)
             logps, entropies = fused_scores(out, plan, compute_entropy)
         else:
             hf = base.get_base_model() if hasattr(base, "get_base_model") else base
@@ -332,7 +337,11 @@ def _replay_one_pass(
                 hf.get_output_embeddings(), hidden, plan, softcap=softcap,
                 compute_entropy=compute_entropy, return_logits=return_logits,
             )  # fmt: skip
-    if replay.failed and bool(torch.cat([f.reshape(-1) for f in replay.failed]).any()):
+    # on the device (no wait), and before a prefetch that may hand this very plan out again (reset)
+    failed = torch.cat([f.reshape(-1) for f in replay.failed]).any() if replay.failed else None
+    if prefetch is not None and plan_cache is not None:
+        _prefetch_plan(prefetch, temperature, layout, param, through, plan_cache)
+    if failed is not None and bool(failed):
         # a value map whose normal equations did not factor: the segment replay has the
         # pseudo-inverse fallback of ridge_solve (one host synchronisation, here at the end)
         logger.warning("one-pass replay: a C2 solve did not factor; replaying by segments instead")
@@ -345,6 +354,41 @@ def _replay_one_pass(
     return ReplayOutput(logprobs=logps, entropies=entropies, logits=logits, num_events=num_events)
 
 
+def _plan_inputs(
+    trajectories: Sequence[Replayable],
+    positions: Sequence[Sequence[int] | None] | None,
+    temperature: float | None,
+) -> tuple[list[list[int]], list[float], list[tuple[int, float]]]:
+    """Per trajectory: the positions to score, the temperature and the session's ``(n_probe_queries, ridge)``."""
+    targets = [
+        scored_positions(t, None if positions is None else positions[i], i)
+        for i, t in enumerate(trajectories)
+    ]
+    temperatures = [temperature if temperature is not None else sampling_temperature(t) for t in trajectories]
+    configs = []
+    for t in trajectories:
+        cfg = _session_config(t)
+        configs.append((int(cfg.get("n_probe_queries", 256)), float(cfg.get("ridge", 1e-4))))
+    return targets, temperatures, configs
+
+
+def _prefetch_plan(trajectories: Sequence[Replayable], temperature: float | None, layout: ModelLayout,
+                   param: torch.Tensor, through: bool, cache: ReplayPlanCache) -> None:  # fmt: skip
+    """Build the one-pass plan of a later call over ``trajectories`` into ``cache`` (``prefetch``).
+
+    A trajectory that cannot replay in one pass, or whose records do not replay, is the later call's
+    to handle: that call builds (or refuses) its plan itself and words the error."""
+    if not all(one_pass_supported(list(t.events)) for t in trajectories):
+        return
+    try:
+        _one_pass_plan(
+            list(trajectories), *_plan_inputs(trajectories, None, temperature), layout, param, through=through,
+            cache=cache, reset=False,
+        )  # fmt: skip
+    except InvalidArgumentError as e:
+        logger.debug("prefetch: the next call's plan was not built (%s)", e)
+
+
 def _one_pass_plan(
     trajectories: list[Replayable],
     targets: list[list[int]],
@@ -355,9 +399,11 @@ def _one_pass_plan(
     *,
     through: bool,
     cache: ReplayPlanCache | None,
+    reset: bool = True,
 ) -> tuple[OnePassReplay, list[int] | None]:
     """The batch's device plan, built or (with a ``cache``) assembled from kept simulations or kept
-    whole; ``order[i]``: the plan's row of trajectory ``i`` (``None``: in order)."""
+    whole; ``order[i]``: the plan's row of trajectory ``i`` (``None``: in order). ``reset=False``
+    leaves a kept plan's last pass state alone (a prefetch, which does not run it)."""
     n_layers, n_kv_heads = layout.n_layers, layout.n_kv_heads
 
     def build(sims: list[TrajectorySim] | None = None) -> OnePassReplay:
@@ -380,7 +426,8 @@ def _one_pass_plan(
                 param.device)  # fmt: skip
     items = [(tuple(tg), temp) for tg, temp in zip(targets, temperatures)]
     replay, order = cache.device_plan(sims, items, settings, lambda: build(sims))
-    replay.reset()
+    if reset:
+        replay.reset()
     return replay, order
 
 

@@ -1027,30 +1027,34 @@ def score_hidden(
     return_logits: bool,
     chunk: int = 1024,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """Log-probs (and entropies, logits) of every row's targets from the final hidden states."""
+    """Log-probs (and entropies, logits) of every row's targets from the final hidden states.
+
+    Launches its work without waiting for the device: the positions and tokens travel in one
+    asynchronous copy (a tensor made from a list on the device would wait for the forward before
+    it), so the host is free once the scoring is queued (docs/grpo.md, "Building the next chunk's
+    plan during this one")."""
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] | None = [] if compute_entropy else None
     logits_out: list[torch.Tensor] | None = [] if return_logits else None
-    device = hidden.device
+    index = iter(_score_index(plan, chunk, hidden.device))
     for b, row in enumerate(plan.rows):
         lp_parts, ent_parts, lg_parts = [], [], []
-        targets = row.targets
-        for s in range(0, len(targets), chunk):
-            pos = torch.tensor(targets[s : s + chunk], device=device)
+        for _ in range(0, len(row.targets), chunk):
+            pos, tok = next(index), next(index)
             logits = lm_head(hidden[b, pos - 1])
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / row.temperature
             logp = torch.log_softmax(logits, dim=-1)
-            tok = torch.tensor([row.tokens[p] for p in targets[s : s + chunk]], device=device)
             lp_parts.append(logp.gather(-1, tok[:, None])[:, 0])
             if compute_entropy:
                 ent_parts.append(-(logp.exp() * logp).sum(-1))
             if return_logits:
                 lg_parts.append(logits)
-        logps.append(_aligned(lp_parts, targets, len(row.tokens), hidden))
+        idx = next(index)
+        logps.append(_aligned(lp_parts, idx, len(row.tokens), hidden))
         if ents is not None:
-            ents.append(_aligned(ent_parts, targets, len(row.tokens), hidden))
+            ents.append(_aligned(ent_parts, idx, len(row.tokens), hidden))
         if logits_out is not None:
             width = lm_head.weight.shape[0]
             logits_out.append(
@@ -1059,13 +1063,25 @@ def score_hidden(
     return logps, ents, logits_out
 
 
-def _aligned(parts: Sequence[torch.Tensor], targets: list[int], n: int, like: torch.Tensor) -> torch.Tensor:
-    """Scores at ``targets`` in a zero vector of the trajectory's length (float32 at least)."""
+def _score_index(plan: Plan, chunk: int, device: torch.device) -> list[torch.Tensor]:
+    """On ``device``, in one asynchronous copy: per row, each chunk's target positions and target
+    tokens, then all its target positions."""
+    host = []
+    for row in plan.rows:
+        targets = np.asarray(row.targets, np.int64)
+        tokens = np.asarray(row.tokens, np.int64)
+        for s in range(0, targets.shape[0], chunk):
+            host += [targets[s : s + chunk], tokens[targets[s : s + chunk]]]
+        host.append(targets)
+    return upload(host, device)
+
+
+def _aligned(parts: Sequence[torch.Tensor], idx: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+    """Scores at the target positions ``idx`` in a zero vector of the trajectory's length (float32 at least)."""
     if not parts:
         return torch.zeros(n, device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
     flat = torch.cat(parts)
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
-    idx = torch.tensor(targets, device=flat.device)
     return flat.new_zeros(n).index_put((idx,), flat)
 
 
@@ -1074,12 +1090,13 @@ def fused_scores(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Log-probs (entropies) from TRL's fused LM head output (``log_probs`` ``[B, N]``, shifted labels)."""
     logps, ents = [], [] if compute_entropy else None
-    for b, row in enumerate(plan.rows):
-        cols = torch.tensor([p - 1 for p in row.targets], device=out.log_probs.device, dtype=torch.long)
-        logps.append(_aligned([out.log_probs[b, cols]] if row.targets else [], row.targets, len(row.tokens),
+    host = [np.asarray(row.targets, np.int64) for row in plan.rows]
+    for b, (row, idx) in enumerate(zip(plan.rows, upload(host, out.log_probs.device))):
+        cols = idx - 1
+        logps.append(_aligned([out.log_probs[b, cols]] if row.targets else [], idx, len(row.tokens),
                               out.log_probs))  # fmt: skip
         if ents is not None:
-            ents.append(_aligned([out.entropy[b, cols]] if row.targets else [], row.targets, len(row.tokens),
+            ents.append(_aligned([out.entropy[b, cols]] if row.targets else [], idx, len(row.tokens),
                                  out.log_probs))  # fmt: skip
     return logps, ents
 

@@ -199,9 +199,11 @@ def test_inference_replays_take_their_own_batch_size(tiny_model_path, tmp_path):
         CompactionGRPOConfig(str(tmp_path), bf16=False, use_cpu=True, replay_method="layers")
 
 
-def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch):
+@pytest.mark.parametrize("inference_batch", [None, 1])
+def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch, inference_batch):
     """``replay_method="one_pass"`` reaches every replay call of a step, and the replayed log-probs
-    match the sampler's (the step's logged mismatch)."""
+    match the sampler's (the step's logged mismatch). A pass in chunks builds each next chunk's plan
+    during the chunk before it (``prefetch``), which the next chunk's call then finds kept."""
     from compaction_gym.trainers.grpo import grpo_trainer as module
     from compaction_gym.trainers.grpo.grpo_trainer import CompactionGRPOConfig, CompactionGRPOTrainer
 
@@ -210,13 +212,15 @@ def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch):
         str(tmp_path / "run"), env_id="AttnMatch-BabyAI-v0", env_kwargs=ENV_KWARGS, compaction=COMPACTION,
         max_turn_tokens=6, num_generations=2, per_device_train_batch_size=2, max_steps=1, beta=0.05,
         num_episodes=4, bf16=False, use_cpu=True, save_strategy="no", report_to="none", replay_method="one_pass",
+        replay_inference_batch_size=inference_batch,
     )  # fmt: skip
-    methods = []
+    methods, calls = [], []
     real = module.replay_logprobs_batch
 
-    def recording(*a, **kwargs):
+    def recording(model, trajectories, **kwargs):
         methods.append(kwargs["method"])
-        return real(*a, **kwargs)
+        calls.append((torch.is_grad_enabled(), list(trajectories), kwargs.get("prefetch")))
+        return real(model, trajectories, **kwargs)
 
     monkeypatch.setattr(module, "replay_logprobs_batch", recording)
     trainer = CompactionGRPOTrainer(
@@ -229,7 +233,19 @@ def test_a_step_with_one_pass_replay(tiny_model_path, tmp_path, monkeypatch):
     assert methods and set(methods) == {"one_pass"}
     # the reference pass planned the episodes; the policy pass over the same two reused that plan
     stats = trainer._plan_cache.stats
-    assert stats.simulations_built == 2 and stats.device_plans_built == 1 and stats.device_plans_reused >= 1
+    if inference_batch is None:
+        assert (
+            stats.simulations_built == 2 and stats.device_plans_built == 1 and stats.device_plans_reused >= 1
+        )
+        assert all(prefetch is None for _, _, prefetch in calls)
+    else:  # the reference pass in chunks of one: the first call prefetched the second's plan
+        no_grad = [(chunk, prefetch) for grad, chunk, prefetch in calls if not grad]
+        assert [len(chunk) for chunk, _ in no_grad[:2]] == [1, 1]
+        assert no_grad[0][1] == no_grad[1][0] and no_grad[1][1] is None
+        # plans: the two chunks (one prefetched, then kept) and the policy's micro-batch of both
+        assert (
+            stats.simulations_built == 2 and stats.device_plans_built == 3 and stats.device_plans_reused >= 1
+        )
     logged = [
         h["replay/max_abs_logprob_diff"]
         for h in trainer.state.log_history

@@ -8,6 +8,7 @@ must return exactly the log-probs and parameter gradients of a plan built afresh
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import hypothesis.strategies as st
@@ -44,12 +45,13 @@ def views(engine):
     return out
 
 
-def replay(model, views, cache, *, grad: bool, through: bool):
+def replay(model, views, cache, *, grad: bool, through: bool, prefetch=None):
     """Log-probs and (with ``grad``) the parameter gradients of their sum."""
     model.zero_grad(set_to_none=True)
     out = replay_logprobs_batch(
-        model, views, grad=grad, grad_through_compaction=through, method="one_pass", plan_cache=cache
-    )
+        model, views, grad=grad, grad_through_compaction=through, method="one_pass", plan_cache=cache,
+        prefetch=prefetch,
+    )  # fmt: skip
     grads = None
     if grad:
         torch.stack([lp.sum() for lp in out.logprobs]).sum().backward()
@@ -70,7 +72,7 @@ def passes(draw, n: int):
             order = draw(st.permutations(range(n)))
             cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
             chunks = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
-        out.append((chunks, draw(st.booleans()), draw(st.booleans())))
+        out.append((chunks, draw(st.booleans()), draw(st.booleans()), draw(st.booleans())))
     return out
 
 
@@ -79,14 +81,18 @@ def passes(draw, n: int):
 def test_kept_plans_give_the_results_of_fresh_ones(model, views, data):
     """Every chunk of every pass, replayed through one cache, equals its replay with a fresh plan:
     exactly where its plan was assembled from kept simulations (the same tensors), to float rounding
-    of a batch position where a kept device plan serves it (possibly with its rows in another order)."""
+    of a batch position where a kept device plan serves it (possibly with its rows in another order).
+    In a pass that prefetches, each chunk's call builds the next chunk's plan."""
     cache = ReplayPlanCache()
     drawn = data.draw(passes(len(views)))
-    for chunks, grad, through in drawn:
-        for chunk in chunks:
+    prefetched = 0
+    for chunks, grad, through, ahead in drawn:
+        for k, chunk in enumerate(chunks):
             batch = [views[i] for i in chunk]
+            nxt = [views[i] for i in chunks[k + 1]] if ahead and k + 1 < len(chunks) else None
+            prefetched += len(nxt or [])
             before = cache.stats.device_plans_reused
-            lp, events, grads = replay(model, batch, cache, grad=grad, through=through)
+            lp, events, grads = replay(model, batch, cache, grad=grad, through=through, prefetch=nxt)
             ref_lp, ref_events, ref_grads = replay(model, batch, None, grad=grad, through=through)
             assert events == ref_events
             for x, y in zip(lp, ref_lp):
@@ -101,7 +107,54 @@ def test_kept_plans_give_the_results_of_fresh_ones(model, views, data):
                 assert all(torch.equal(x, y) for x, y in zip(lp, ref_lp))
     stats = cache.stats
     assert stats.simulations_built == len(views)  # each trajectory simulated once, whatever the chunking
-    assert stats.simulations_built + stats.simulations_reused == len(drawn) * len(views)
+    assert stats.simulations_built + stats.simulations_reused == len(drawn) * len(views) + prefetched
+
+
+def test_a_prefetched_plan_is_the_next_calls(model, views):
+    """``prefetch`` builds the next chunk's plan during this call: this call's results are unchanged,
+    the next call finds its plan kept and returns what a fresh plan gives."""
+    first, second = views[:2], views[2:]
+    cache = ReplayPlanCache()
+    lp, _, _ = replay(model, first, cache, grad=False, through=True, prefetch=second)
+    assert (cache.stats.simulations_built, cache.stats.device_plans_built) == (len(views), 2)
+    alone, _, _ = replay(model, first, None, grad=False, through=True)
+    assert all(torch.equal(x, y) for x, y in zip(lp, alone))
+    lp, _, _ = replay(model, second, cache, grad=False, through=True)
+    assert cache.stats.device_plans_reused == 1 and cache.stats.device_plans_built == 2
+    fresh, _, _ = replay(model, second, None, grad=False, through=True)
+    assert all(torch.equal(x, y) for x, y in zip(lp, fresh))
+
+
+def test_prefetching_this_calls_own_batch(model, views):
+    """A prefetch of the call's own trajectories hands its plan out again mid-call: the call's
+    log-probs and gradients stay those of a call without prefetch."""
+    cache = ReplayPlanCache()
+    lp, _, grads = replay(model, views, cache, grad=True, through=True, prefetch=views[::-1])
+    ref_lp, _, ref_grads = replay(model, views, None, grad=True, through=True)
+    assert all(torch.equal(x, y) for x, y in zip(lp, ref_lp))
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert cache.stats.device_plans_built == 1 and cache.stats.device_plans_reused == 1
+
+
+def test_a_prefetch_leaves_errors_to_the_call_they_belong_to(model, views):
+    """A next chunk whose record does not replay does not fail this call; the next call reports it
+    with the message a call without prefetch gives. A prefetch needs a cache."""
+    view = views[0]
+    event = view.events[-1]
+    broken = types.SimpleNamespace(
+        token_ids=view.token_ids, completion_mask=view.completion_mask, sampling=view.sampling, config=view.config,
+        events=[*view.events[:-1], dataclasses.replace(event, kv_len_before=event.kv_len_before + 1)],
+    )  # fmt: skip
+    cache = ReplayPlanCache()
+    lp, _, _ = replay(model, views[1:], cache, grad=False, through=True, prefetch=[broken])
+    assert len(lp) == len(views) - 1
+    with pytest.raises(InvalidArgumentError) as without:
+        replay(model, [broken], None, grad=False, through=True)
+    with pytest.raises(InvalidArgumentError) as after:
+        replay(model, [broken], cache, grad=False, through=True)
+    assert str(after.value) == str(without.value)
+    with pytest.raises(InvalidArgumentError, match="prefetch .*plan_cache"):
+        replay(model, views[:1], None, grad=False, through=True, prefetch=views[1:])
 
 
 def test_what_is_reused(model, views):

@@ -273,10 +273,17 @@ class CompactionGRPOTrainer(GRPOTrainer):
         if not torch.is_grad_enabled() and self.args.replay_inference_batch_size:
             batch_size = self.args.replay_inference_batch_size  # no graph to hold: fewer, wider rounds
         logps, entropies = [], []
-        for lo in range(0, batch, batch_size):
-            chunk = trajectories[lo : lo + batch_size]
+        chunks = [trajectories[lo : lo + batch_size] for lo in range(0, batch, batch_size)]
+        for k, chunk in enumerate(chunks):
+            # the next chunk's plan is built while this one runs on the device (docs/grpo.md,
+            # "Building the next chunk's plan during this one")
+            ahead = chunks[k + 1] if k + 1 < len(chunks) and self._plan_cache is not None else None
             out = self._replay(
-                model, chunk, compute_entropy=compute_entropy, fused_lm_head=_has_fused_head(model)
+                model,
+                chunk,
+                compute_entropy=compute_entropy,
+                fused_lm_head=_has_fused_head(model),
+                prefetch=ahead,
             )
             logps += [_completion_slice(t, lp, logits_to_keep) for t, lp in zip(chunk, out.logprobs)]
             if compute_entropy:
