@@ -25,7 +25,8 @@ half only gathers and solves.
 
 from __future__ import annotations
 
-import copy
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -100,7 +101,10 @@ class SlotTable:
             self.per_head[:, :first] = self.shared[:first]
         if self.per_head is not None:
             self.per_head[:, at] = shared if v is None else v
-        nonzero = None if b is None else b.any(0)
+        nonzero = None
+        if b is not None:  # β is rarely 0: where the first head's is nonzero at every slot, so is some head's
+            nonzero = b[:1].any(0)
+            nonzero = nonzero if nonzero.all() else b.any(0)
         if nonzero is not None and nonzero.any():
             self.biased[at] = nonzero
         else:
@@ -364,8 +368,10 @@ def assemble(sims: list[TrajectorySim], *, targets: list[list[int]], temperature
 
 def _moved(fit: Fit, row: int, first0: int) -> Fit:
     """``fit`` as row ``row`` of a batch whose fitted rows before it number ``first0`` (a shallow copy:
-    ``dataclasses.replace`` re-runs ``__init__``, several times slower at 180 fits a batch)."""
-    out = copy.copy(fit)
+    ``dataclasses.replace`` re-runs ``__init__``, several times slower at 180 fits a batch, and
+    ``copy.copy`` goes through the reduce protocol, ~5x slower than copying the ``__dict__``)."""
+    out = object.__new__(type(fit))
+    out.__dict__.update(fit.__dict__)
     out.row, out.first = row, fit.first + first0
     return out
 
@@ -390,8 +396,7 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
              piece_queries: int = PIECE_QUERIES) -> TrajectorySim:  # fmt: skip
     """Trajectory ``index``'s cache through its events up to token ``end`` (checked against the
     records; ``index`` only names it in errors)."""
-    ids = traj.token_ids
-    sim = TrajectorySim(end, ids.tolist() if isinstance(ids, (torch.Tensor, np.ndarray)) else list(map(int, ids)))
+    sim = TrajectorySim(end, _token_list(traj.token_ids))
     lh = n_layers * n_kv_heads
     events = checked_events(traj, index, end)
     sim.num_events = len(events)
@@ -416,6 +421,16 @@ def simulate(traj: Any, index: int, end: int, n_probe: int, ridge: float, n_laye
     return sim
 
 
+def _token_list(ids: Any) -> list[int]:
+    """The token ids as ints (``int`` of each)."""
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        return ids.tolist()
+    try:  # half the cost of int() where every id is already an integer
+        return list(map(operator.index, ids))
+    except TypeError:
+        return list(map(int, ids))
+
+
 def _local_dtypes(events: list[CompactionEvent], lh: int) -> dict[tuple, type]:
     """Per shape of kept indices, the dtype of :attr:`Fit.kept`: int16 when every span of that shape
     is narrower than ``2**15``."""
@@ -427,52 +442,84 @@ def _local_dtypes(events: list[CompactionEvent], lh: int) -> dict[tuple, type]:
     return out
 
 
-#: Rows of :attr:`_Walk.state`: key token, value source, slot (as :class:`Snapshot`) and key code
-#: (the key token on raw rows, :data:`_BLOCK` + slot on block rows; :meth:`_Walk.kept_keys`).
-_KCOL, _VCOL, _SLOT, _CODE = range(4)
+def _relative(indices: np.ndarray, start: int, dtype: type) -> np.ndarray:
+    """``indices - start`` as ``dtype``, ``indices`` inside a span from ``start`` that ``dtype`` holds."""
+    if dtype is np.int64:
+        return np.subtract(indices, start, order="C")
+    # narrow first, then subtract there (half the passes): both sides wrap alike, exact where the result fits
+    local = indices.astype(dtype, order="C")
+    local -= np.asarray(start).astype(dtype)
+    return local
+
+
+#: Rows of :attr:`_Walk.state`: key token, value source, slot (as :class:`Snapshot`), key code
+#: (the key token on raw rows, :data:`_BLOCK` + slot on block rows; :meth:`_Walk.kept_keys`) and
+#: the logical tokens ``[lo, hi)`` the row stands for (a block's: all of its range, as in a RowMap).
+_KCOL, _VCOL, _SLOT, _CODE, _LO, _HI = range(6)
 _BLOCK = 2**62
 
 
 class _Walk:
-    """A trajectory's cache while it is simulated: its rows as one ``[4, T]`` array (:data:`_CODE`),
+    """A trajectory's cache while it is simulated: its rows as one ``[6, T]`` array (:data:`_CODE`),
     replaced at every event and fed segment (never written: snapshots are views of it), and the
     events' records, checked and converted one event at a time (its arrays stay in cache)."""
 
     def __init__(self, sim: TrajectorySim, index: int, lh: int, n_probe: int, ridge: float,
                  dtypes: dict[tuple, type]) -> None:  # fmt: skip
         self.sim, self.index, self.lh, self.n_probe, self.ridge, self.dtypes = sim, index, lh, n_probe, ridge, dtypes
-        self.state = np.zeros((4, 0), np.int64)
-        self.row_map = RowMap()
+        self.state = np.zeros((6, 0), np.int64)
+        # the rows as a RowMap, for key_probe_rows only: its calls are queued until it is read
+        self._row_map, self._map_calls = RowMap(), []
         raw = np.arange(sim.end, dtype=np.int64)
-        self.raw = np.stack([raw, raw, np.full(sim.end, -1, np.int64), raw])  # rows of fed tokens
+        # rows of fed tokens
+        self.raw = np.stack([raw, raw, np.full(sim.end, -1, np.int64), raw, raw, raw + 1])
         cap = sim.table.k.shape[1]
         slots = np.arange(cap, dtype=np.int64)
-        self.blocks = np.stack([np.full_like(slots, -1), slots, slots, _BLOCK + slots])  # vcol: set per event
+        # vcol, lo and hi: set per event
+        self.blocks = np.stack([np.full_like(slots, -1), slots, slots, _BLOCK + slots, slots, slots])
         # the slots' key tokens per head after a sentinel (flat index 0, the largest int32) where a raw
         # row's lookup lands: the smaller of lookup and code is the key token (kept_keys)
         self.keys = np.empty(1 + lh * cap, np.int32)
         self.keys[0] = np.iinfo(np.int32).max
         sim.table.k = self.keys[1:].reshape(lh, cap)
         self.key_at = 1 + cap * np.arange(lh, dtype=np.int64)[:, None] - _BLOCK
+        self.key_at_t: dict[int, np.ndarray] = {}  # per width t, key_at repeated to [LH, t]
 
     def snapshot(self) -> Snapshot:
         st = self.state
         return Snapshot(st[_KCOL], st[_VCOL], st[_SLOT], self.sim.table)
 
+    def row_map(self) -> RowMap:
+        """The rows' logical tokens as a :class:`RowMap`."""
+        for name, args in self._map_calls:
+            getattr(self._row_map, name)(*args)
+        self._map_calls.clear()
+        return self._row_map
+
+    def logical_span(self, start: int, end: int) -> tuple[int, int]:
+        """As :meth:`RowMap.logical_span` (``0 <= start < end <= T``)."""
+        st = self.state
+        return int(st[_LO, start]), int(st[_HI, end - 1])
+
     def feed(self, fed: int, stop: int) -> None:
         """Tokens ``[fed, stop)`` appended as raw rows."""
         self.state = np.concatenate([self.state, self.raw[:, fed:stop]], 1)
-        self.row_map.append(fed, stop - fed)
+        self._map_calls.append(("append", (fed, stop - fed)))
 
     def apply(self, ev: CompactionEvent) -> Fit | None:
         """The cache after ``ev`` (and its fit, if it refits C2), checked against the record."""
         sim, table, state = self.sim, self.sim.table, self.state
         where = f"trajectory {self.index}, event {ev.index}"
         start, end = self._check_span(ev, where)
-        indices, local = self._kept_rows(ev, where)
+        indices = self._kept_rows(ev, where)
         t = indices.shape[1]
-        beta = ev.recorded_beta() if ev.compute_beta else None
-        beta = None if beta is None else np.asarray(beta.numpy(), np.float32)
+        beta = None
+        if ev.compute_beta and ev.beta is not None:
+            b = ev.beta
+            if b.dtype == torch.float32 and b.dim() == 3:  # recorded_beta(), without torch's reshape
+                beta = b.numpy().reshape(b.shape[0] * b.shape[1], b.shape[2])
+            else:
+                beta = np.asarray(ev.recorded_beta().numpy(), np.float32)
         refit = replay_needs_probes(ev.mode, ev.refit_values)  # its values: new fitted rows
         snap = self.snapshot()
         kept_v = old_b = None
@@ -483,13 +530,14 @@ class _Walk:
             first = sim.fitted_rows
             level = self._level(state[_VCOL, start:end], where)
             sim.add_fitted(t, level)
-            new_vcol = -1 - np.arange(first, first + t, dtype=np.int64)
+            new_vcol = np.arange(-1 - first, -1 - first - t, -1, dtype=np.int64)
         else:
             new_vcol = np.where((kept_v == kept_v[:1]).all(0), kept_v[0], PER_HEAD)
         slot = table.add(None, new_vcol, kept_v, beta if beta is not None else old_b)
         self.kept_keys(state[_CODE], indices, slot)
         fit = None
         if refit:
+            local = _relative(indices, start, self.dtypes[tuple(ev.indices.shape)])
             fit = Fit(
                 row=0, event=ev, span=snap.sliced(start, end), kept=local, beta=beta,
                 probe=_probe_spec(ev, snap, self.row_map, self.n_probe, where), first=first, slot=slot, level=level,
@@ -498,8 +546,9 @@ class _Walk:
         sim.has_bias = sim.has_bias or bool(table.biased[slot : slot + t].any())
         block = self.blocks[:, slot : slot + t]
         block[_VCOL] = new_vcol
+        block[_LO], block[_HI] = ev.logical_span
         self.state = np.concatenate([state[:, :start], block, state[:, end:]], 1)
-        self.row_map.replace(start, end, t, ev.logical_span)
+        self._map_calls.append(("replace", (start, end, t, ev.logical_span)))
         if self.state.shape[1] != ev.kv_len_after:
             raise InvalidArgumentError(
                 f"{where}: {self.state.shape[1]} rows after replaying the event, the rollout had {ev.kv_len_after}"
@@ -518,52 +567,62 @@ class _Walk:
         start, end = ev.span
         if not 0 <= start < end <= length:
             raise InvalidArgumentError(f"{where}: span {ev.span} outside the cache's {length} rows")
-        if self.row_map.logical_span(start, end) != ev.logical_span:
+        if self.logical_span(start, end) != ev.logical_span:
             raise InvalidArgumentError(
                 f"{where}: rows {ev.span} stand for logical tokens "
-                f"{self.row_map.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
+                f"{self.logical_span(start, end)} in the replay but {ev.logical_span} in the record"
             )
         return start, end
 
-    def _kept_rows(self, ev: CompactionEvent, where: str) -> tuple[np.ndarray, np.ndarray]:
-        """The kept rows ``[LH, t]`` (int64) and the same relative to the span (:attr:`Fit.kept`), checked."""
+    def _kept_rows(self, ev: CompactionEvent, where: str) -> np.ndarray:
+        """The kept rows ``[LH, t]`` (int64), checked: inside the span, ascending."""
         x = ev.indices
         if x.dim() != 3 or x.shape[0] * x.shape[1] != self.lh:
             rows = ev.forced_indices().shape[0]
             raise InvalidArgumentError(f"{where}: indices hold {rows} (layer, KV head) rows, the model has {self.lh}")
         start, end = ev.span
-        indices = x.long().numpy().reshape(self.lh, -1)
-        local = np.subtract(indices, start, out=np.empty(indices.shape, self.dtypes[tuple(x.shape)]),
-                            casting="unsafe")  # fmt: skip
-        # every index inside the span (so ``local`` is exact), ascending there
-        if indices.size and not (
-            indices.min() >= start and indices.max() < end and (local[:, 1:] > local[:, :-1]).all()
-        ):
-            raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
-        return indices, local
+        indices = x.long().numpy().reshape(self.lh, -1)  # numpy's reshape: a few µs less than torch's
+        if indices.size:
+            # ascending along each row: every neighbour pair of the flat array but the lh - 1 across rows
+            t, flat = indices.shape[1], np.ascontiguousarray(indices).reshape(-1)
+            up = flat[1:] > flat[:-1]
+            ascending = np.count_nonzero(up) - np.count_nonzero(up[t - 1 :: t]) == self.lh * (t - 1)
+            # then each row's first and last index are its least and greatest
+            if not (ascending and indices[:, 0].min() >= start and indices[:, -1].max() < end):
+                raise InvalidArgumentError(f"{where}: kept indices must be ascending inside span {ev.span}")
+        return indices
 
     def _level(self, sources: np.ndarray, where: str) -> int:
         """A refit's level: 1 + the deepest fit whose rows its span's value ``sources`` read."""
-        fitted = sources[sources < 0]
-        if (fitted == PER_HEAD).any():  # kept values of a selection event: not in one session
+        low = sources.min()  # the span is not empty
+        if low >= 0:
+            return 0
+        if low == PER_HEAD:  # kept values of a selection event: not in one session
             raise InvalidArgumentError(f"{where}: an attention_matching event over rows kept by another mode")
-        return 1 + (int(self.sim.levels_of(-1 - fitted).max()) if fitted.size else -1)
+        return 1 + int(self.sim.levels_of(-1 - sources[sources < 0]).max())
 
     def kept_keys(self, code: np.ndarray, rows: np.ndarray, slot: int) -> None:
         """Write the key tokens of slots ``slot ..``: at kept rows ``rows`` ``[LH, t]`` of a state
         whose :data:`_CODE` row is ``code``, a raw row's token or the same head's key of a block
         row's slot (an earlier event's)."""
         if rows.size:
-            c = np.take(code, rows)
-            lookup = np.take(self.keys, c + self.key_at, mode="clip")  # a raw row's: the sentinel
-            self.sim.table.k[:, slot : slot + rows.shape[1]] = np.minimum(lookup, c)
+            t = rows.shape[1]
+            key_at = self.key_at_t.get(t)
+            if key_at is None:  # the same layout as c: one flat add, not one per head
+                key_at = self.key_at_t[t] = np.repeat(self.key_at, t, 1)
+            c = code.take(rows)
+            lookup = self.keys.take(c + key_at, mode="clip")  # a raw row's: the sentinel
+            np.minimum(lookup, c, out=lookup)
+            self.sim.table.k[:, slot : slot + t] = lookup
 
 
-def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: RowMap, n_probe: int, where: str) -> tuple:
+def _probe_spec(ev: CompactionEvent, state: Snapshot, row_map: Callable[[], RowMap], n_probe: int,
+                where: str) -> tuple:  # fmt: skip
+    """The fit's :attr:`Fit.probe` (``row_map``: the cache's, called for ``keys`` probes only)."""
     if ev.probe_source in ("keys", "suffix") and ev.probe_logical_range is None:
         raise InvalidArgumentError(f"{where}: {ev.probe_source} probes without a probe_logical_range")
     if ev.probe_source == "keys":
-        return ("keys", state.sliced(*key_probe_rows(ev, row_map, state.length, n_probe, where)))
+        return ("keys", state.sliced(*key_probe_rows(ev, row_map(), state.length, n_probe, where)))
     if ev.probe_source in SUFFIX_SOURCES:
         a, b = ev.probe_logical_range
         if not 0 <= a < b <= ev.logical_len:
