@@ -160,6 +160,18 @@ class CompactionEvent:
     probe_tokens: tuple[int, ...] | None = None
     refit_values: bool = True
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state ``pickle`` and ``torch.save`` write: ``indices`` and ``beta`` that view a larger
+        tensor (the events of one stacked call share that call's ``[E, ...]`` buffers, docs/engine.md
+        "The copy back lands in place") as copies of their own bytes, so one session's saved events
+        do not carry every other session's; the record itself is not changed."""
+        state = dict(self.__dict__)
+        for name in ("indices", "beta"):
+            t = state[name]
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() != t.nbytes:
+                state[name] = t.clone(memory_format=torch.contiguous_format)
+        return state
+
     def __post_init__(self) -> None:
         if not isinstance(self.indices, torch.Tensor) or self.indices.dim() != 3:
             shape = (

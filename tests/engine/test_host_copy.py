@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -131,3 +132,68 @@ def test_a_session_with_beta_events_saves_and_loads(engine):
     for a, b in zip(view.events, back):
         assert torch.equal(a.indices, b.indices)
         assert torch.equal(a.beta.view(torch.int32), b.beta.view(torch.int32))
+
+
+def _events(engine, prompts: int) -> list:
+    """One session's events with β (several), ``prompts`` sessions compacting in the same rounds."""
+    from engine_helpers import make_prompt
+
+    from compaction_gym.engine import CompactionConfig, CreateRequest, SamplingParams
+
+    config = CompactionConfig(
+        mode="attention_matching", compute_beta=True, max_kv_len=48, compact_window=24, n_probe_queries=8
+    )
+    sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    results = engine.step_batch([CreateRequest(make_prompt(16, seed=s), config, sampling) for s in range(prompts)])
+    events = engine.session(results[0].session_id).events
+    assert len(events) >= 2 and all(e.beta is not None for e in events)
+    return events
+
+
+def _check_own_bytes(events: list) -> None:
+    """Pickled and saved, ``events`` take about their own indices' and β's bytes, and come back equal,
+    each tensor with a storage of its own; the records themselves are left as they were."""
+    storages = [(e.indices.untyped_storage().nbytes(), e.beta.untyped_storage().nbytes()) for e in events]
+    own = sum(e.indices.nbytes + e.beta.nbytes for e in events)
+    for data in (pickle.dumps(events), _torch_bytes(events)):
+        assert len(data) < own + 4096 * len(events)  # the records' other fields and framing
+    for back in (pickle.loads(pickle.dumps(events)), torch.load(io.BytesIO(_torch_bytes(events)), weights_only=False)):
+        for a, b in zip(events, back):
+            assert torch.equal(a.indices, b.indices)
+            assert torch.equal(a.beta.view(torch.int32), b.beta.view(torch.int32))
+            assert b.indices.untyped_storage().nbytes() == b.indices.nbytes
+            assert (a.span, a.kv_len_before, a.timings) == (b.span, b.kv_len_before, b.timings)
+    assert storages == [(e.indices.untyped_storage().nbytes(), e.beta.untyped_storage().nbytes()) for e in events]
+
+
+def test_an_event_saves_its_own_bytes_only(engine):
+    """Events compacted in one stacked call hold views of that call's ``[E, ...]`` tensors (on a GPU,
+    docs/engine.md "The copy back lands in place"); pickling or saving one session's events writes
+    that session's indices and β only, not the whole call's. Here the views are made by hand."""
+    events = [
+        dataclasses.replace(e, indices=e.indices.expand(8, *e.indices.shape).clone()[5],
+                            beta=e.beta.expand(8, *e.beta.shape).clone()[2])  # fmt: skip
+        for e in _events(engine, 1)
+    ]
+    assert all(e.indices.untyped_storage().nbytes() == 8 * e.indices.nbytes for e in events)
+    _check_own_bytes(events)
+
+
+@pytest.mark.gpu
+def test_a_stacked_calls_events_save_their_own_bytes_on_cuda(tiny_model_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from compaction_gym.engine import Engine
+
+    engine = Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float32, device="cuda", max_slots=4, capacity=512, fast=True
+    )
+    events = _events(engine, 4)
+    assert any(e.indices.untyped_storage().nbytes() > e.indices.nbytes for e in events), "not stacked"
+    _check_own_bytes(events)
+
+
+def _torch_bytes(x: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(x, buf)
+    return buf.getvalue()
