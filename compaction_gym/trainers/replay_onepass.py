@@ -683,7 +683,7 @@ class OnePassReplay:
             with profiler_range("replay.c2_chain"):
                 raw, fit = [], []
                 for g, m in zip(self.groups, maps):
-                    span = _gather_events(values, g.raw_idx[None], g.count).to(cdt)
+                    span = _gather_events(values, g.raw_idx[None], g.count, cdt)
                     raw.append(product(None, _masked(m, g.raw_mask, g.count), span))  # the raw columns' share
                     if g.fit_cols is not None:  # the fitted columns' maps, [E·H, t, f]
                         fit.append(_masked(torch.gather(m, 2, g.fit_cols), g.fit_valid, g.count))
@@ -704,7 +704,7 @@ class OnePassReplay:
                         if lv in g.chain:
                             refs, rows = g.chain[lv]
                             src = flat[refs[0]] if len(refs) == 1 else torch.cat([flat[x] for x in refs])
-                            prev = gather_rows(src, rows).reshape((hi - lo) * H, -1, dv).to(cdt)
+                            prev = gather_rows(src, rows, cdt).reshape((hi - lo) * H, -1, dv)
                             c2 = product(c2, mf[lv], prev)
                         parts.append(c2.to(values.dtype).reshape(-1, dv))
                     flat[lv] = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -738,7 +738,7 @@ class OnePassReplay:
         """:meth:`_value_map` with what its backward keeps: ``(M, A⁻¹, κ)``."""
         with profiler_range("replay.value_maps.designs"):
             probes, span_keys, mask, bias = self._map_inputs(g, layer, query, keys)
-            _, x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
+            x, attn = self._map_designs(g, layer, probes, span_keys, mask, bias)
         with profiler_range("replay.value_maps.solve"):
             m, ok, a_inv, kappa = self._map_solve(g, layer, x, attn)
         self.failed.append(~ok)
@@ -772,21 +772,19 @@ class OnePassReplay:
 
     def _map_designs(self, g: _Group, layer: int, probes: torch.Tensor, span_keys: torch.Tensor,
                      mask: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor
+        torch.Tensor, torch.Tensor
     ]:  # fmt: skip
-        """The kept keys' softmax before the padding mask, the design ``X`` ``[E·H, n, t]`` (padding
-        probes' rows zero) and the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
+        """The design ``X`` ``[E·H, n, t]`` (the kept keys' softmax, padding probes' rows zero) and
+        the probes' span attention ``P`` ``[E·H, n, w]``, in the compute dtype."""
         beta = None if g.beta_slots is None else self._kept_beta(g, layer)
         raw = half_product(probes, span_keys)  # no float32 copies when it applies
-        if raw is not None:  # both softmaxes in one pass over the logits where Triton runs
-            xs, attn = span_and_kept_softmax(raw, self.scale, g.kept[layer], bias, beta)
-        else:
-            with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
-                raw, logits = attention_logits(span_keys, probes, self.scale, bias)
-            beta = None if beta is None else beta.to(raw.dtype)
-            xs, attn = kept_and_span_softmax_of(raw, logits, g.kept[layer], beta)
-        x = xs if mask is None else xs * mask[:, :, None].to(xs.dtype)  # padding probes drop out
-        return xs, x, attn
+        if raw is not None:  # both softmaxes (and the padding) in one pass over the logits where Triton runs
+            return span_and_kept_softmax(raw, self.scale, g.kept[layer], bias, beta, mask)
+        with _exact_tf32(span_keys.dtype):  # the float32 copies' product (gradients need it)
+            raw, logits = attention_logits(span_keys, probes, self.scale, bias)
+        beta = None if beta is None else beta.to(raw.dtype)
+        xs, attn = kept_and_span_softmax_of(raw, logits, g.kept[layer], beta)
+        return (xs if mask is None else xs * mask[:, :, None].to(xs.dtype)), attn
 
     def _kept_beta(self, g: _Group, layer: int) -> torch.Tensor:
         """The group's recorded β at ``layer`` ``[E·H, t]``: its kept rows' biases."""
@@ -848,7 +846,7 @@ class _ValueMap(torch.autograd.Function):
             with torch.enable_grad():
                 probes, span_keys, mask, bias = replay._map_inputs(g, layer, q, k)
             with torch.no_grad():
-                xs, x, attn = replay._map_designs(g, layer, probes.detach(), span_keys.detach(), mask, bias)
+                x, attn = replay._map_designs(g, layer, probes.detach(), span_keys.detach(), mask, bias)
         with profiler_range("replay.value_maps.backward.solve"), torch.no_grad(), off:
             cdt = x.dtype
             kept = g.kept[layer]  # [E·H, t]
@@ -864,7 +862,8 @@ class _ValueMap(torch.autograd.Function):
             d_x.add_(x * (2 * kappa * d_lam).to(cdt)[:, None, None])  # from λ's trace
             if mask is not None:
                 d_x.mul_(mask[:, :, None].to(cdt))
-            d_kept = xs * (d_x - (d_x * xs).sum(-1, keepdim=True))  # through the kept keys' softmax
+            # through the kept keys' softmax X (the padding rows' d_x is zero, so their zero X serves)
+            d_kept = x * (d_x - (d_x * x).sum(-1, keepdim=True))
             # through P's softmax, P ⊙ (dP − Σ_w dP ⊙ P) with dP = X·dR: the row sums are Σ_j X ⊙ P·dRᵀ
             # ([n, t], not [n, w]), and one product with −row sum as an extra column of X subtracts them
             # (padded to a multiple of 4 columns: aligned rows keep the product on the tensor cores)
@@ -917,7 +916,7 @@ class _Product(torch.autograd.Function):
     def forward(ctx: Any, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.has_c = c is not None
-        return _product(False, c, a, b)
+        return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -933,7 +932,11 @@ def _product(tf32: bool, c: torch.Tensor | None, a: torch.Tensor, b: torch.Tenso
     """``c + a · b`` (batched; ``c`` optional); with ``tf32`` its backward's products in TF32."""
     if tf32:
         return _Product.apply(c, a, b)
-    return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
+    if c is None:
+        return torch.bmm(a, b)
+    if torch.is_grad_enabled():
+        return torch.baddbmm(c, a, b)
+    return c.baddbmm_(a, b)  # without autograd c is the chain's own product, read only here: no copy of it
 
 
 def _by_level(x: torch.Tensor, g: _Group, heads: int) -> dict[int, torch.Tensor]:
@@ -949,10 +952,11 @@ def _masked(m: torch.Tensor, columns: torch.Tensor, events: int) -> torch.Tensor
     return (m.reshape(events, -1, *shape[1:]) * columns).reshape(shape)
 
 
-def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Tensor:
+def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """``x[h, idx[h, b·w + j]]`` laid out block-major, ``[blocks, H, w, d]`` (contiguous: attention's
     ``[P, H, W, d]``, and a view away from the plan's event-major ``[E·H, w, d]`` batch), for ``x``
-    ``[H, R, d]`` and ``idx`` ``[H|1, blocks·w]``.
+    ``[H, R, d]`` and ``idx`` ``[H|1, blocks·w]``; with ``dtype``, cast in the gather.
 
     Row gathers (:func:`~compaction_gym.engine.fast.gather.gather_rows`), not ``gather``: one index
     per row instead of one per element, at memory bandwidth on a GPU, and embedding's backward,
@@ -962,7 +966,7 @@ def _gather_blocks(x: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.Ten
     H, R = x.shape[0], x.shape[1]
     flat = idx + torch.arange(0, H * R, R, device=idx.device)[:, None]
     flat = flat.reshape(H, blocks, -1).transpose(0, 1).reshape(-1)
-    return gather_rows(x.reshape(H * R, -1), flat).reshape(blocks, H, -1, x.shape[-1])
+    return gather_rows(x.reshape(H * R, -1), flat, dtype).reshape(blocks, H, -1, x.shape[-1])
 
 
 def _inverse(idx: torch.Tensor, real: torch.Tensor, rows: int) -> torch.Tensor:
@@ -1012,9 +1016,10 @@ def _dense_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int
     return rows, (rows.shape[0], x.stride(0) // D, x.stride(1) // D, x.stride(2) // D)
 
 
-def _gather_events(x: torch.Tensor, idx: torch.Tensor, events: int) -> torch.Tensor:
+def _gather_events(x: torch.Tensor, idx: torch.Tensor, events: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """:func:`_gather_blocks` as the plan's event-major batch ``[E·H, w, d]``."""
-    return _gather_blocks(x, idx, events).flatten(0, 1)
+    return _gather_blocks(x, idx, events, dtype).flatten(0, 1)
 
 
 def score_hidden(

@@ -68,6 +68,24 @@ def test_the_autograd_function_on_cpu_with_the_kernel_emulated(monkeypatch):
             assert torch.equal(gather_rows(x, idx), x[idx])
     far = gather_rows(torch.ones(4, 3), torch.tensor([1, 4, -1]))
     assert far.tolist() == [[1.0] * 3, [0.0] * 3, [0.0] * 3]
+    _check_cast(gather_rows, torch.device("cpu"))
+
+
+def _check_cast(gather, device: torch.device) -> None:
+    """``gather(x, idx, dtype)`` equals ``embedding(idx, x).to(dtype)``, values and gradient bits."""
+    g = torch.Generator(device=device).manual_seed(3)
+    for src, dst in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float64)):
+        x = (torch.randn(300, 72, generator=g, device=device) * 30).to(src)
+        idx = torch.randint(0, 300, (5, 41), generator=g, device=device)
+        xg, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        got, want = gather(xg, idx, dst), torch.nn.functional.embedding(idx, xe).to(dst)
+        assert got.dtype == dst and torch.equal(got, want)
+        grad = torch.randn(want.shape, generator=g, device=device).to(dst)
+        got.backward(grad)
+        want.backward(grad)
+        assert xg.grad.dtype == src and torch.equal(xg.grad, xe.grad)
+        with torch.no_grad():
+            assert torch.equal(gather(x, idx, dst), x[idx].to(dst))
 
 
 def _check(rows: int, d: int, shape: tuple[int, ...], dtype: torch.dtype, index_dtype: torch.dtype,
@@ -132,6 +150,12 @@ def test_rows_and_gradients_equal_embedding(dtype, d):
 )
 def test_any_shape_equals_embedding(rows, d, n, dtype, index_dtype, seed):
     _check(rows, d, (n,), dtype, index_dtype, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_cast_in_the_gather_equals_embedding_then_to():
+    _check_cast(gather_rows, torch.device("cuda"))
 
 
 @pytest.mark.gpu

@@ -35,7 +35,8 @@ if HAS_TRITON:
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         v = tl.load(X + src[:, None] * stride_x + d[None, :], mask=ok[:, None] & dmask[None, :], other=0)
-        tl.store(OUT + r[:, None].to(tl.int64) * D + d[None, :], v, mask=live[:, None] & dmask[None, :])
+        out = v.to(OUT.dtype.element_ty)
+        tl.store(OUT + r[:, None].to(tl.int64) * D + d[None, :], out, mask=live[:, None] & dmask[None, :])
 
 
 def gather_supported(x: torch.Tensor, idx: torch.Tensor) -> bool:
@@ -51,16 +52,16 @@ def gather_supported(x: torch.Tensor, idx: torch.Tensor) -> bool:
     )
 
 
-def _launch(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[idx]`` ``[*idx.shape, d]`` as a fresh tensor of that shape, never a view: a view made
-    inside an autograd Function may not be written in place afterwards, and the folded-β attention
-    writes its β columns into the gathered keys."""
+def _launch(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x[idx]`` ``[*idx.shape, d]`` in ``dtype``, as a fresh tensor of that shape, never a view: a
+    view made inside an autograd Function may not be written in place afterwards, and the folded-β
+    attention writes its β columns into the gathered keys."""
     flat = idx.reshape(-1).contiguous()
     n, d = flat.numel(), x.shape[1]
-    out = torch.empty((*idx.shape, d), dtype=x.dtype, device=x.device)  # rows at r·d, as [n, d]
+    out = torch.empty((*idx.shape, d), dtype=dtype, device=x.device)  # rows at r·d, as [n, d]
     if n and d:
         block_d = triton.next_power_of_2(d)
-        block_r = max(1, min(128, _PROGRAM_BYTES // (block_d * x.element_size())))
+        block_r = max(1, min(128, _PROGRAM_BYTES // (block_d * max(x.element_size(), out.element_size()))))
         _gather_rows_kernel[(triton.cdiv(n, block_r),)](
             x, flat, out, n, x.shape[0], x.stride(0), D=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4
         )
@@ -69,33 +70,35 @@ def _launch(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(idx)
-        ctx.rows = x.shape[0]
-        return _launch(x, idx)
+        ctx.rows, ctx.dtype = x.shape[0], x.dtype
+        return _launch(x, idx, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (idx,) = ctx.saved_tensors
-        # embedding's own backward: the same sums as through embedding
+        # the cast's backward, then embedding's own: the same sums as through embedding and .to(dtype)
         rows = torch.ops.aten.embedding_dense_backward(
-            grad.reshape(-1, grad.shape[-1]), idx.reshape(-1), ctx.rows, -1, False
+            grad.reshape(-1, grad.shape[-1]).to(ctx.dtype), idx.reshape(-1), ctx.rows, -1, False
         )
-        return rows, None
+        return rows, None, None
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[idx]``: rows of a 2-D ``x`` ``[rows, d]`` for indices of any shape, ``[*idx.shape, d]``.
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x[idx]``: rows of a 2-D ``x`` ``[rows, d]`` for indices of any shape, ``[*idx.shape, d]``;
+    with ``dtype``, cast in the same pass (``x[idx].to(dtype)`` without the second pass over the rows).
 
     The same values as ``torch.nn.functional.embedding(idx, x)`` and, when ``x`` requires a
     gradient, its gradient (embedding's backward). Indices must lie in ``[0, rows)`` (on the
     Triton path one outside reads a zero row; ``embedding`` raises).
     """
+    dtype = x.dtype if dtype is None else dtype
     if not gather_supported(x, idx):
-        return torch.nn.functional.embedding(idx, x)
+        return torch.nn.functional.embedding(idx, x).to(dtype)
     if x.requires_grad and torch.is_grad_enabled():
-        return _GatherRows.apply(x, idx)
-    return _launch(x, idx)
+        return _GatherRows.apply(x, idx, dtype)
+    return _launch(x, idx, dtype)
 
 
 __all__ = ["gather_rows", "gather_supported"]
