@@ -88,12 +88,18 @@ class _Rows:
 
 
 class _Staged:
-    """A host array bound for the device, and what to make of it there (``then``)."""
+    """A host array bound for the device (or arrays of one dtype and shape, stacked there), and what
+    to make of it there (``then``)."""
 
     __slots__ = ("array", "then", "value")
 
-    def __init__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    def __init__(self, array: np.ndarray | list[np.ndarray],
+                 then: Callable[[torch.Tensor], torch.Tensor] | None) -> None:  # fmt: skip
         self.array, self.then, self.value = array, then, None
+
+    @property
+    def parts(self) -> list[np.ndarray]:
+        return self.array if isinstance(self.array, list) else [self.array]
 
 
 class _Stage:
@@ -104,7 +110,10 @@ class _Stage:
         self.device = device
         self.items: list[_Staged] = []
 
-    def __call__(self, array: np.ndarray, then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    def __call__(self, array: np.ndarray | list[np.ndarray],
+                 then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:  # fmt: skip
+        """Stage ``array``; a list of arrays (one dtype and shape) arrives stacked, written into the
+        pinned buffer one by one instead of stacked on the host first (a fresh host copy)."""
         item = _Staged(array, then)
         self.items.append(item)
         return item
@@ -112,9 +121,11 @@ class _Stage:
     def send(self) -> None:
         by_dtype: dict[np.dtype, list[_Staged]] = {}
         for item in self.items:
-            by_dtype.setdefault(item.array.dtype, []).append(item)
+            by_dtype.setdefault(item.parts[0].dtype, []).append(item)
         for items in by_dtype.values():
-            for item, t in zip(items, upload([i.array for i in items], self.device)):
+            sent = iter(upload([a for i in items for a in i.parts], self.device))
+            for item in items:
+                t = next(sent) if not isinstance(item.array, list) else torch.stack([next(sent) for _ in item.array])
                 item.value = t if item.then is None else item.then(t)
                 item.array = None
         self.items = []
@@ -124,6 +135,8 @@ def _resolve(x: Any) -> Any:
     """``x`` with every :class:`_Staged` inside (dataclass fields, dicts, tuples, lists) replaced by its tensor."""
     if isinstance(x, _Staged):
         return x.value
+    if type(x) in _LEAVES:
+        return x
     names = _FIELDS.get(type(x))
     if names is not None:
         for name in names:
@@ -132,10 +145,12 @@ def _resolve(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _resolve(v) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
-        return type(x)(_resolve(v) for v in x)
+        return type(x)([_resolve(v) for v in x])
     return x
 
 
+#: What :func:`_resolve` need not look into (the plan's levels, slices, sizes).
+_LEAVES = frozenset({int, float, str, bool, type(None), torch.Tensor})
 #: The fields :func:`_resolve` looks into, per dataclass of the device plan.
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
@@ -152,41 +167,43 @@ class _Stack:
     slots: np.ndarray  # [k] the block rows' slots in their trajectory's table
 
     @classmethod
-    def of(cls, rows: list[int], snaps: list[Snapshot], pads: list[int] | None = None) -> _Stack:
+    def of(cls, rows: list[int] | np.ndarray, snaps: list[Snapshot], pads: list[int] | None = None) -> _Stack:
         """Snapshots end to end, each followed by ``pads`` padding columns."""
-        kc, vc, sc, lengths = [], [], [], []
-        most = max(pads or [0])
-        pad_k, pad_v, pad_s = np.full(most, -2, np.int64), np.full(most, PER_HEAD, np.int64), np.full(most, -1, np.int64)
-        for j, snap in enumerate(snaps):
-            kc.append(snap.kcol)
-            vc.append(snap.vcol)
-            sc.append(snap.slot)
-            n = snap.length
-            if pads is not None and pads[j]:
-                kc.append(pad_k[: pads[j]])
-                vc.append(pad_v[: pads[j]])
-                sc.append(pad_s[: pads[j]])
-                n += pads[j]
-            lengths.append(n)
-        kcol = np.concatenate(kc)
+        kcol, vcol = np.concatenate([s.kcol for s in snaps]), np.concatenate([s.vcol for s in snaps])
+        slot = np.concatenate([s.slot for s in snaps])
+        lengths = np.array([s.kcol.shape[0] for s in snaps], np.int64)
         blocks = np.flatnonzero(kcol == -1)
+        slots = slot[blocks]
+        if pads is not None and any(pads):
+            pads = np.asarray(pads, np.int64)
+            at = np.arange(kcol.shape[0]) + np.repeat(np.cumsum(pads) - pads, lengths)  # each row's column
+            lengths += pads
+            kcol, vcol = _placed(kcol, at, int(lengths.sum()), -2), _placed(vcol, at, int(lengths.sum()), PER_HEAD)
+            blocks = at[blocks]
         row = np.repeat(np.asarray(rows, np.int64), lengths)
-        return cls(kcol, np.concatenate(vc), row, blocks, np.concatenate(sc)[blocks])
+        return cls(kcol, vcol, row, blocks, slots)
 
     @classmethod
     def pieces(cls, rows: np.ndarray, snaps: list[Snapshot], in_snap: np.ndarray, own: np.ndarray,
                token: np.ndarray) -> _Stack:  # fmt: skip
         """A bucket's ``[P, W]`` columns: where ``in_snap``, piece ``p``'s snapshot's rows in order;
         where ``own``, its own token ``token``; padding elsewhere."""
-        kcol = np.where(own, token, -2)
-        vcol = np.where(own, token, PER_HEAD)
-        slot = np.full(kcol.shape, -1, np.int64)
-        kcol[in_snap] = np.concatenate([s.kcol for s in snaps])  # row-major: snapshot after snapshot
-        vcol[in_snap] = np.concatenate([s.vcol for s in snaps])
-        slot[in_snap] = np.concatenate([s.slot for s in snaps])
-        kcol, vcol, slot = kcol.reshape(-1), vcol.reshape(-1), slot.reshape(-1)
-        blocks = np.flatnonzero(kcol == -1)
-        return cls(kcol, vcol, np.repeat(rows, in_snap.shape[1]), blocks, slot[blocks])
+        kcol = np.where(own, token, -2).reshape(-1)
+        vcol = np.where(own, token, PER_HEAD).reshape(-1)
+        at = np.flatnonzero(in_snap)  # row-major: snapshot after snapshot
+        snap_k = np.concatenate([s.kcol for s in snaps])
+        kcol[at] = snap_k
+        vcol[at] = np.concatenate([s.vcol for s in snaps])
+        blocks = np.flatnonzero(snap_k == -1)  # only snapshot rows are block rows
+        slots = np.concatenate([s.slot for s in snaps])[blocks]
+        return cls(kcol, vcol, np.repeat(rows, in_snap.shape[1]), at[blocks], slots)
+
+
+def _placed(x: np.ndarray, at: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """``[n]`` of ``fill`` with ``x`` at ``at``."""
+    out = np.full(n, fill, np.int64)
+    out[at] = x
+    return out
 
 
 @dataclass
@@ -306,7 +323,8 @@ class OnePassReplay:
         vals = None
         if values:
             varies = np.flatnonzero(st.vcol[st.blocks] == PER_HEAD)
-            kept = attention & (st.kcol == -1)  # a kept (not refitted) value is the block's own copy
+            # a kept (not refitted) value is the block's own copy (read only when gradients stop there)
+            kept = attention and not self.through and st.kcol == -1
             table = self._value_table(attention) if varies.size else None
             vals = _Rows.of(self._value_rows(st.row, st.vcol, kept), st.blocks[varies], slots[varies], table, stage)
         b = (
@@ -362,69 +380,63 @@ class OnePassReplay:
         """Group the fits and place every fitted row: level by level, group by group, so that a
         level's C2 is one tensor."""
         plan = self.plan
-        by_key: dict[tuple, list[Fit]] = {}
-        for f in plan.fits:
-            key = (f.width, f.target, f.probe[0], f.beta is not None, f.ridge)
-            by_key.setdefault(key, []).append(f)
-        self._members = [sorted(fs, key=lambda f: f.level) for fs in by_key.values()]
-        self.levels = sorted({f.level for f in plan.fits})
-        # a level's fitted rows, group by group: head-major for the attention's value rows
-        # (``_fitted_pos``), event-major [E, H, t] for the C2 chain (``_flat_at``)
-        self._flat_at: dict[int, tuple[int, int, int]] = {}  # fit.first -> (level, flat offset, t)
-        self._level_flat_rows: dict[int, int] = {}
-        self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
+        keys: dict[tuple, int] = {}  # (span width, target, probe kind, β-ness, ridge) -> group
+        fits = np.array([
+            (keys.setdefault((f.width, t, f.probe[0], f.beta is not None, f.ridge), len(keys)), f.level, f.first, t)
+            for f in plan.fits
+            for t in [f.target]
+        ], np.int64).reshape(-1, 4)  # fmt: skip
+        order = np.lexsort((fits[:, 1], fits[:, 0]))  # group by group, each by level (stable)
+        bounds = np.flatnonzero(np.diff(fits[order, 0])) + 1
+        self._members = [[plan.fits[i] for i in part.tolist()] for part in np.split(order, bounds)] if plan.fits else []
         offsets = np.array([*plan.fitted_offsets, plan.fitted_rows], np.int64)
         self._starts, self._counts = offsets[:-1], np.diff(offsets)  # per trajectory, its fitted rows
-        self._level_start: dict[int, int] = {}
-        self._level_rows: dict[int, int] = {}
-        by_level: dict[int, list[Fit]] = {}  # group by group, each group's in order
-        for fs in self._members:
-            for f in fs:
-                by_level.setdefault(f.level, []).append(f)
-        firsts, targets = [], []
-        pos = 0
-        for lv in self.levels:
-            self._level_start[lv], flat = pos, 0
-            for f in by_level[lv]:
-                self._flat_at[f.first] = (lv, flat, f.target)
-                flat += self.n_kv_heads * f.target
-                firsts.append(f.first)
-                targets.append(f.target)
-                pos += f.target
-            self._level_flat_rows[lv] = flat
-            self._level_rows[lv] = pos - self._level_start[lv]
+        # a level's fitted rows, group by group: head-major for the attention's value rows
+        # (``_fitted_pos``), event-major [E, H, t] for the C2 chain (``_meta``)
+        _, level, first, t = fits[np.lexsort((fits[:, 0], fits[:, 1]))].T  # level by level, group by group
+        self.levels = np.unique(level).tolist()
         # fit by fit in that order, its fitted rows f.first .. are the next positions
-        t = np.array(targets, np.int64)
-        at = np.repeat(np.array(firsts, np.int64) - np.cumsum(t) + t, t) + np.arange(pos)
-        self._fitted_pos[at] = np.arange(pos)
-        self._firsts = np.array(sorted(self._flat_at), np.int64)
-        # per fit in ``_firsts`` order: (level, flat offset, t)
-        self._meta = np.array([self._flat_at[int(f)] for f in self._firsts], np.int64).reshape(-1, 3)
+        ends = np.cumsum(t)
+        at = np.repeat(first - ends + t, t) + np.arange(ends[-1] if t.size else 0)
+        self._fitted_pos = np.zeros(max(plan.fitted_rows, 1), np.int64)
+        self._fitted_pos[at] = np.arange(at.size)
+        # each fit's offset in its level's event-major C2 [E, H, t] rows, and each level's rows
+        rows = self.n_kv_heads * t
+        flat = np.cumsum(rows) - rows
+        starts = np.flatnonzero(np.diff(level, prepend=-1))  # each level's first fit
+        offset = flat - np.repeat(flat[starts], np.diff(starts, append=level.size))
+        self._level_flat = np.zeros(int(level.max(initial=-1)) + 1, np.int64)  # level -> rows
+        self._level_flat[level[starts]] = np.add.reduceat(rows, starts) if starts.size else 0
+        # per fit, by first fitted row: (level, offset, t)
+        order = np.argsort(first, kind="stable")
+        self._firsts = first[order]
+        self._meta = np.stack([level, offset, t], 1)[order]
 
     def _group(self, fs: list[Fit], head_dim: int, probe_dtype: torch.dtype) -> _Group:
         dev, stage, L, H = self.device, self._stage, self.n_layers, self.n_kv_heads
         E, w, t = len(fs), fs[0].width, fs[0].target
         kind = fs[0].probe[0]
-        n = max(f.n_probes for f in fs)
-        span = _Stack.of([f.row for f in fs], [f.span for f in fs])
+        n_probes = [f.n_probes for f in fs]
+        n = max(n_probes)
+        rows = np.array([f.row for f in fs], np.int64)
+        span = _Stack.of(rows, [f.span for f in fs])
         has_bias = any(f.span.has_bias for f in fs)
         keys, _, bias = self._rows(span, bias=has_bias)
 
         def per_eh(a: list[np.ndarray], dtype: type, to: torch.dtype) -> Any:  # [E, LH, t] -> [L, E·H, t]
-            x = np.stack(a, dtype=dtype, casting="same_kind")
-            return stage(x, lambda v: v.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1).to(to))
+            a = [x if x.dtype == dtype else x.astype(dtype, casting="same_kind") for x in a]  # stacked on the device
+            return stage(a, lambda v: v.reshape(E, L, H, -1).transpose(0, 1).reshape(L, E * H, -1).to(to))
 
         vcol = span.vcol
         raw_rows = np.where(vcol >= 0, self._value_rows(span.row, vcol), 0)
         g = _Group(
             width=w, target=t, kind=kind, ridge=fs[0].ridge, n=n, count=E, keys=keys, bias=bias,
             kept=per_eh([f.kept for f in fs], np.int16 if w < 2**15 else np.int64, torch.long),  # 1/4 of the copy
-            beta_slots=stage(np.concatenate([self._slot_offsets[f.row] + np.arange(f.slot, f.slot + t) for f in fs]))
-            if fs[0].beta is not None else None,
+            beta_slots=stage(self._beta_slots(fs, rows, t)) if fs[0].beta is not None else None,
             raw_idx=stage(raw_rows), raw_mask=stage((vcol >= 0).reshape(E, 1, 1, w)),
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
         )  # fmt: skip
-        counts = np.array([f.n_probes for f in fs])
+        counts = np.array(n_probes)
         if (counts != n).any():
             g.probe_mask = stage(np.arange(n)[None, :] < counts[:, None])
         groups = self._q_heads // H if kind == "suffix" else 1
@@ -441,13 +453,13 @@ class OnePassReplay:
             g.fit_cols = stage(cols, lambda c: c.repeat_interleave(H, 0)[:, None, :].expand(-1, t, -1))
             g.fit_valid = stage(valid.reshape(E, 1, 1, width))
         if kind == "suffix":
-            rows = np.zeros((E, n), np.int64)
-            for e, f in enumerate(fs):
-                a, b = f.probe[1], f.probe[2]
-                rows[e, : b - a] = f.row * self.width + np.arange(a, b)
+            # event e's probe j is the query row of token probe[1] + j (padding: row 0)
+            j = np.arange(n)
+            first = rows * self.width + np.array([f.probe[1] for f in fs], np.int64)
+            probe_rows = np.where(j < counts[:, None], first[:, None] + j, 0)
             # query rows [B·N·H_q, d]: probe j of event e at KV head h, group member g is head h·G + g
             # (expanded on the device: E·H_q·n indices)
-            g.probe_idx = stage(rows, partial(_head_rows, heads=self._q_heads))
+            g.probe_idx = stage(probe_rows, partial(_head_rows, heads=self._q_heads))
         elif kind == "keys":
             probe = _Stack.of(
                 [f.row for f in fs], [f.probe[1] for f in fs], pads=[n - f.n_probes for f in fs]
@@ -465,8 +477,13 @@ class OnePassReplay:
             lv = int(levels[lo])
             g.slices[lv] = (lo, hi)
         if width and levels[-1] > 0:
-            self._chains(g, span.vcol.reshape(E, w), np.array([f.row for f in fs]), cols, valid)
+            self._chains(g, span.vcol.reshape(E, w), rows, cols, valid)
         return g
+
+    def _beta_slots(self, fs: list[Fit], rows: np.ndarray, t: int) -> np.ndarray:
+        """The batch's slots of the fits' kept rows ``[E·t]`` (fit ``e``'s are its ``slot .. slot + t - 1``)."""
+        first = self._slot_offsets[rows] + np.array([f.slot for f in fs], np.int64)
+        return (first[:, None] + np.arange(t)).reshape(-1)
 
     def _chains(self, g: _Group, vcol: np.ndarray, rows: np.ndarray, cols: np.ndarray, valid: np.ndarray) -> None:
         """Per level of ``g`` above 0, where the fitted rows its spans read lie in the event-major C2
@@ -480,20 +497,25 @@ class OnePassReplay:
         o = np.maximum(np.searchsorted(firsts, j, side="right") - 1, 0)
         lv, off, t = meta[o, 0], meta[o, 1], meta[o, 2]
         base = off + j - firsts[o]  # within its level's C2
-        at = np.zeros(int(meta[:, 0].max()) + 1, np.int64)
-        for level, (lo, hi) in g.slices.items():
-            if level == 0:
-                continue
-            refs = np.unique(lv[lo:hi][valid[lo:hi]]).tolist()
-            at[refs] = np.cumsum([0] + [self._level_flat_rows[x] for x in refs[:-1]])
-            out = (at[lv[lo:hi]] + base[lo:hi])[:, None, :] + np.arange(H)[None, :, None] * t[lo:hi, None, :]
-            out[np.broadcast_to(~valid[lo:hi, None, :], out.shape)] = 0
-            g.chain[level] = (refs, self._stage(out.reshape(-1)))
+        # per level of the group, which levels its spans read, and where each lies in their concatenation
+        spans = [hi - lo for lo, hi in g.slices.values()]
+        which = np.repeat(np.arange(len(spans)), spans)  # each event's level, as an index into g.slices
+        reads = np.zeros((len(spans), self._level_flat.size), bool)
+        reads[np.broadcast_to(which[:, None], lv.shape)[valid], lv[valid]] = True
+        sizes = reads * self._level_flat
+        at = np.cumsum(sizes, 1) - sizes
+        # head h's rows follow head h - 1's t rows; padding columns read row 0
+        out = np.arange(H)[None, :, None] * np.where(valid, t, 0)[:, None, :]
+        out += np.where(valid, at[which[:, None], lv] + base, 0)[:, None, :]
+        for i, (level, (lo, hi)) in enumerate(g.slices.items()):
+            if level:
+                g.chain[level] = (np.flatnonzero(reads[i]).tolist(), self._stage(out[lo:hi].reshape(-1)))
 
     def _build_buckets(self) -> None:
         plan = self.plan
-        ctx = np.array([plan.snapshots[p.ctx].length for p in plan.pieces], np.int64)
-        row, q0, q1, first = (np.array([getattr(p, a) for p in plan.pieces], np.int64) for a in ("row", "q0", "q1", "start"))
+        pieces = np.array([(p.row, p.q0, p.q1, p.start, p.ctx) for p in plan.pieces], np.int64).reshape(-1, 5)
+        row, q0, q1, first, snap = pieces.T
+        ctx = np.array([s.length for s in plan.snapshots], np.int64)[snap]
         order = np.argsort(ctx + q1 - first, kind="stable")  # pieces by key width
         ctx, row, q0, q1, first = ctx[order], row[order], q0[order], q1[order], first[order]
         widths = (ctx + q1 - first).tolist()
@@ -502,7 +524,7 @@ class OnePassReplay:
             if widths[j] > BUCKET_SPREAD * widths[starts[-1]]:
                 starts.append(j)
         bounds = list(zip(starts, [*starts[1:], len(widths)]))
-        snaps = [plan.snapshots[plan.pieces[j].ctx] for j in order]
+        snaps = [plan.snapshots[j] for j in snap[order].tolist()]
         self.buckets = [
             self._bucket(snaps[lo:hi], ctx[lo:hi], row[lo:hi], q0[lo:hi], q1[lo:hi], first[lo:hi]) for lo, hi in bounds
         ]
@@ -527,7 +549,7 @@ class OnePassReplay:
         k = np.arange(W)[None, :]
         in_snap = k < ctx[:, None]
         own = ~in_snap & (k < (ctx + q1 - first)[:, None])
-        token = first[:, None] + k - ctx[:, None]
+        token = (first - ctx)[:, None] + k
         stack = _Stack.pieces(row, snaps, in_snap, own, token)
         big = np.iinfo(np.int64).max
         colpos = np.where(in_snap, -1, np.where(own, token, big))
