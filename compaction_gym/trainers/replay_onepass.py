@@ -224,7 +224,7 @@ class _Group:
     raw_mask: torch.Tensor  # [E, 1, 1, w] bool
     probe_idx: torch.Tensor | _Rows | None  # suffix: [E·H·G·n] query rows; keys: [L, H, E·n] key rows
     probes: torch.Tensor | None  # random: [L, E·H, n, d]
-    probe_mask: torch.Tensor | None  # [E, n] bool, or None when no padding
+    probe_mask: torch.Tensor | None  # [E·H, G·n] bool (the designs' probe rows), or None when no padding
     probe_counts: torch.Tensor  # [E·H] real probes per problem
     fit_cols: torch.Tensor | None  # [E·H, t, f] (expanded) the span's columns holding fitted rows, padded
     fit_valid: torch.Tensor | None  # [E, 1, 1, f] which of them are real
@@ -437,9 +437,12 @@ class OnePassReplay:
             probe_idx=None, probes=None, probe_mask=None, probe_counts=None, fit_cols=None, fit_valid=None,
         )  # fmt: skip
         counts = np.array(n_probes)
-        if (counts != n).any():
-            g.probe_mask = stage(np.arange(n)[None, :] < counts[:, None])
         groups = self._q_heads // H if kind == "suffix" else 1
+        if (counts != n).any():  # laid out as the designs' rows once, not at every layer
+            g.probe_mask = stage(
+                np.arange(n)[None, :] < counts[:, None],
+                lambda m: m[:, None, None, :].expand(-1, H, groups, -1).reshape(E * H, groups * n),
+            )
         g.probe_counts = stage(np.repeat(counts * groups, H))
         # per event, its span's columns holding fitted rows (ascending, padded with column 0)
         fitted = vcol.reshape(E, w) < 0
@@ -777,15 +780,10 @@ class OnePassReplay:
         if g.kind == "suffix":  # one row gather straight into the event-major layout [E·H, G·n, d]
             groups = self._q_heads // H
             probes = gather_rows(query, g.probe_idx).reshape(g.count * H, groups * g.n, d)
-            if mask is not None:
-                mask = mask[:, None, None, :].expand(-1, H, groups, -1).reshape(g.count * H, groups * g.n)
+        elif g.kind == "keys":
+            probes = _gather_events(keys, g.probe_idx.at(layer, H), g.count)
         else:
-            if g.kind == "keys":
-                probes = _gather_events(keys, g.probe_idx.at(layer, H), g.count)
-            else:
-                probes = g.probes[layer].to(keys.dtype)
-            if mask is not None:
-                mask = mask[:, None, :].expand(-1, H, -1).reshape(g.count * H, g.n)
+            probes = g.probes[layer].to(keys.dtype)
         bias = None
         if g.bias is not None:
             bias = g.bias.at(layer, H).expand(H, -1).reshape(H, g.count, g.width).transpose(0, 1)
