@@ -110,7 +110,11 @@ def device_line() -> str:
         tv = triton.__version__
     except ImportError:  # pragma: no cover
         tv = "none"
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    name = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else (platform.processor() or platform.machine())
+    )
     return (
         f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, triton {tv}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from compaction_gym.compaction import CompactionResult, gqa_probes
+from compaction_gym.engine.fast.gather import gather_rows, gather_supported
 from compaction_gym.engine.host_copy import upload
 from compaction_gym.engine.session import Session
 from compaction_gym.engine.slot_cache import SlotKVCache, as_words
@@ -169,6 +170,9 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
     With the ``cache`` whose slots the events read (every event's ``slot`` set), K, V and β of all
     events are gathered by one indexed copy each (:func:`_gather_rows`) instead of one copy per
     event and buffer; the result is the same, byte for byte.
+
+    When C2 is refitted (``refit_values``, the default) the math reads values in the span alone, so
+    only the span's values are copied and the stacked values are zero elsewhere.
     """
     first = events[0]
     rows, _, d = first.keys.shape
@@ -180,8 +184,10 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
     n_ev = len(events)
     counts = [p.probe_count() for p in events]
     n = max(counts)
+    # C2 refitted: values are read in the span alone (stats, C2's prior), the rest stays zero
+    value_span = (start, start + span_len) if first.session.config.refit_values else None
     if cache is not None and all(p.slot is not None for p in events):
-        keys, values, bias, shift_t = _gather_rows(events, cache, shifts, length)
+        keys, values, bias, shift_t = _gather_rows(events, cache, shifts, length, value_span)
     else:
         keys = first.keys.new_zeros(n_ev, rows, length, d)
         values = first.values.new_zeros(n_ev, rows, length, first.values.shape[-1])
@@ -189,7 +195,10 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
         for i, (s, p) in enumerate(zip(shifts, events)):
             t = p.keys.shape[1]
             keys[i, :, s : s + t] = p.keys
-            values[i, :, s : s + t] = p.values
+            if value_span is None:
+                values[i, :, s : s + t] = p.values
+            else:
+                values[i, :, value_span[0] : value_span[1]] = p.values[:, p.span[0] : p.span[1]]
             bias[i, :, s : s + t] = 0.0 if p.key_bias is None else p.key_bias
         (shift_t,) = upload([np.array(shifts, np.int64)], keys.device)
     mask = None
@@ -217,14 +226,21 @@ def stack_rows(events: Sequence[PendingEvent], cache: SlotKVCache | None = None)
 
 
 def _gather_rows(
-    events: Sequence[PendingEvent], cache: SlotKVCache, shifts: list[int], length: int
+    events: Sequence[PendingEvent],
+    cache: SlotKVCache,
+    shifts: list[int],
+    length: int,
+    value_span: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stacked K, V ``[S, B, length, d]``, bias ``[S, B, length]`` and shifts ``[S]`` read from the
     cache's slots: stacked row ``r`` of event ``i`` is its slot's row ``r - shifts[i]``; rows outside
-    the slot's live rows (padding) read row 0 and are then set to 0 (K, V) and ``-inf`` (bias).
+    the slot's live rows (padding) are 0 (K, V) and ``-inf`` (bias). With ``value_span`` only the
+    values of those stacked rows are read, the others are 0.
 
     The bias is the slot's β, which is zero on a slot without β (``SlotKVCache.has_beta``), as the
-    per-event copy's ``0.0``.
+    per-event copy's ``0.0``. On a GPU, K and V are row gathers at memory bandwidth
+    (:func:`~compaction_gym.engine.fast.gather.gather_rows`, a zero row for index ``-1``); elsewhere
+    indexed copies of int64 words.
     """
     rows = events[0].keys.shape[0]
     # host indices with numpy (docs/engine.md, "Batched events": torch's CPU ops cost ~50 µs each)
@@ -232,19 +248,60 @@ def _gather_rows(
     src = np.arange(length)[None, :] - shift[:, None]
     live = np.array([p.keys.shape[1] for p in events], np.int64)
     pad = (src < 0) | (src >= live[:, None])
-    pad_event, pad_row = np.nonzero(pad)
     slot = np.array([p.slot for p in events], np.int64)
+    per_row = (cache.max_slots, rows, cache.capacity)
+    if _gathers_rows(cache):
+        return _gather_rows_fast(cache, slot, np.where(pad, -1, src), shift, rows, value_span)
+    pad_event, pad_row = np.nonzero(pad)
     host = [slot[:, None, None], np.arange(rows)[None, :, None], np.where(pad, 0, src)[:, None, :]]
     slot, head, src, pad_event, pad_row, shift_t = upload([*host, pad_event, pad_row, shift], cache.k.device)
-    per_row = (cache.max_slots, rows, cache.capacity)
     keys, values = (as_words(buf.view(*per_row, -1))[slot, head, src] for buf in (cache.k, cache.v))
     bias = cache.beta.view(per_row)[slot, head, src]
     # device scalars: a Python number on the right of an indexed write is first copied from pageable
     # host memory, which waits for the device (docs/engine.md, "Batched events")
     keys[pad_event, :, pad_row] = keys.new_zeros(())  # all bits zero: +0.0 in any float dtype
     values[pad_event, :, pad_row] = values.new_zeros(())
+    if value_span is not None:
+        values[:, :, : value_span[0]] = values.new_zeros(())
+        values[:, :, value_span[1] :] = values.new_zeros(())
     bias[pad_event, :, pad_row] = bias.new_full((), float("-inf"))
     return keys.view(cache.k.dtype), values.view(cache.v.dtype), bias, shift_t
+
+
+def _gathers_rows(cache: SlotKVCache) -> bool:
+    """Whether the cache's K and V rows can be stacked by :func:`gather_rows`' kernel."""
+    index = torch.empty(0, dtype=torch.int64, device=cache.k.device)
+    return all(gather_supported(buf.view(-1, buf.shape[-1]), index) for buf in (cache.k, cache.v))
+
+
+def _gather_rows_fast(
+    cache: SlotKVCache,
+    slot: np.ndarray,
+    src: np.ndarray,
+    shift: np.ndarray,
+    rows: int,
+    value_span: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_gather_rows` by row gathers: ``src`` ``[S, length]`` is each stacked row's slot row,
+    ``-1`` on padding. Row ``(slot · B + b) · capacity + src`` of the cache's ``[·, d]`` rows is
+    stacked row ``(i, b, ·)``; the flat indices are made on the device from per-event arrays."""
+    vsrc = src.copy()
+    if value_span is not None:
+        vsrc[:, : value_span[0]] = -1
+        vsrc[:, value_span[1] :] = -1
+    dev = cache.k.device
+    slot_t, src_t, vsrc_t, shift_t = upload([slot, src, vsrc, shift], dev)
+    base = (slot_t[:, None] * rows + torch.arange(rows, device=dev)) * cache.capacity  # [S, B]
+
+    def flat(s: torch.Tensor) -> torch.Tensor:
+        # a padding row keeps -1 (a zero row) instead of pointing into the slot
+        return torch.where(s[:, None, :] >= 0, base[:, :, None] + s[:, None, :], -1)
+
+    idx = flat(src_t)
+    keys = gather_rows(cache.k.view(-1, cache.k.shape[-1]), idx)
+    values = gather_rows(cache.v.view(-1, cache.v.shape[-1]), idx if value_span is None else flat(vsrc_t))
+    bias = cache.beta.view(-1)[idx.clamp(min=0)].masked_fill_(idx < 0, float("-inf"))
+    return keys, values, bias, shift_t
 
 
 @dataclass

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compaction_gym.compaction.events import CompactionEvent
+from compaction_gym.engine.chunk_policy import ChunkCosts
 from compaction_gym.engine.compactor import Compactor, records_queries
 from compaction_gym.engine.config import CompactionConfig, SamplingParams
 from compaction_gym.engine.model_runner import DecodeRow, ModelRunner, RowFeed
@@ -105,6 +106,12 @@ class Scheduler:
         self.running: list[Work] = []
         #: results finished by :meth:`run` for works it was not asked about; :meth:`advance` returns them
         self.held: list[tuple[Work, StepResult]] = []
+        #: end a decode chunk where rows pause for host work, where that pays
+        #: (:class:`~compaction_gym.engine.chunk_policy.ChunkCosts`); ``False``: run every chunk to
+        #: its longest row's limit. Each row samples from its own stream and its events fire at the
+        #: same tokens either way; only which events share a stacked call (their rounding) changes.
+        self.cut_chunks = True
+        self.chunk_costs = ChunkCosts()
 
     # -------------------------------------------------------------- registry
     def get(self, session_id: str) -> Session:
@@ -493,15 +500,26 @@ class Scheduler:
         return [w for w in taken if w.finish is None and len(w.session.pending) == 1]
 
     def _decode_chunk(self, works: list[Work], horizon: int) -> None:
-        """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed."""
+        """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed.
+
+        The chunk runs to its longest row's limit, or ends at a step where rows pause for host work
+        when the measured costs say that saves time (:attr:`chunk_costs`; docs/engine.md, "Decode
+        chunks end at pauses")."""
         if not works:
             return
-        limits = [self._free_steps(w, horizon) for w in works]
+        free = [self._free_steps(w, horizon) for w in works]
+        longest = max(n for n, _ in free)
+        steps = longest
+        if self.cut_chunks:
+            steps = self.chunk_costs.chunk_steps([n for n, pauses in free if pauses], longest)
         rows = [
-            DecodeRow(w.session.slot, w.session.pending[0], w.session.fed, n, w.params, w.stream, w.stop_ids, w.session.probes)
-            for w, n in zip(works, limits)
+            DecodeRow(w.session.slot, w.session.pending[0], w.session.fed, min(n, steps), w.params, w.stream, w.stop_ids, w.session.probes)
+            for w, (n, _) in zip(works, free)
         ]  # fmt: skip
-        decoded = self.runner.decode_chunk(rows, max(limits))
+        t0 = time.perf_counter()
+        decoded = self.runner.decode_chunk(rows, steps)
+        t1 = time.perf_counter()
+        self.chunk_costs.add_chunk(steps, t1 - t0)
         going = []
         for w, (tokens, logprobs) in zip(works, decoded):
             s = w.session
@@ -513,29 +531,37 @@ class Scheduler:
                 assert going_on or i == len(tokens) - 1, "a row ran past its stop"
             if going_on:
                 going.append(w)
+        events = sum(len(w.events) for w in going)
         self._room_for_next(going)
+        self.chunk_costs.add_round(sum(len(w.events) for w in going) - events, time.perf_counter() - t1)
 
-    def _free_steps(self, w: Work, horizon: int) -> int:
-        """Decode steps ``w`` may run before the host must act (at least 1, at most ``horizon``).
+    def _free_steps(self, w: Work, horizon: int) -> tuple[int, bool]:
+        """Decode steps ``w`` may run before the host must act (at least 1, at most ``horizon``),
+        and whether the row then *pauses* (host work, then it goes on) rather than ends.
 
         Its remaining ``max_new_tokens`` and budget bound it, and so does the first step after
         which feeding the sampled token needs a KV-budget event or overflows the slot (both only
-        grow with the cache, so a bisection over the steps finds it).
+        grow with the cache, so a bisection over the steps finds it). It pauses for a KV-budget
+        event and for the periodic budget message.
         """
         s = w.session
         n = min(horizon, w.params.max_new_tokens - w.sampled)
         if s.config.max_total_tokens is not None:
             n = min(n, s.config.max_total_tokens - s.generated)
+        ends = n < horizon  # the response ends after n steps unless something comes first
         every = s.config.inject_budget_every
-        if every is not None:  # the host injects the periodic budget message
-            n = min(n, every - s.generated % every)
+        if every is not None and every - s.generated % every < n:  # the host injects the budget message
+            n, ends = every - s.generated % every, False
         kv0 = self.kv_len(s)  # before feeding the pending token; after step j it holds kv0 + j rows
 
+        def event(j: int) -> bool:
+            return bool(self.compactor.plan_room(s, 1, kv0 + j)[0])
+
         def blocked(j: int) -> bool:
-            return kv0 + j + 1 > self.cache.capacity or bool(self.compactor.plan_room(s, 1, kv0 + j)[0])
+            return kv0 + j + 1 > self.cache.capacity or event(j)
 
         if not blocked(n):
-            return n
+            return n, not ends and n < horizon
         lo, hi = 1, n
         while lo < hi:
             mid = (lo + hi) // 2
@@ -543,7 +569,7 @@ class Scheduler:
                 hi = mid
             else:
                 lo = mid + 1
-        return lo
+        return lo, event(lo) and not (ends and lo == n)
 
     def _take_token(self, w: Work, tok: int, logprob: float) -> bool:
         """Append a sampled token; end the response on a stop token, the budget or ``max_new_tokens``.

@@ -76,7 +76,7 @@ def test_stacked_events_match_each_alone(layout, span_len, compute_beta, refit_v
     if not refit_values:
         layout = [(start, tail, bias, layout[0][3]) for start, tail, bias, _ in layout]
     events = [
-        pending(seed + i, start, start + span_len + tail, span_len, n, with_bias)
+        pending(seed + i, start, start + span_len + tail, span_len, n, with_bias, refit=refit_values)
         for i, (start, tail, with_bias, n) in enumerate(layout)
     ]
     for p, got in zip(events, stacked_blocks(events, compute_beta=compute_beta, refit_values=refit_values)):

@@ -4,7 +4,9 @@ slot, and the per-event copies of ``stack_rows(events)``, give (docs/engine.md, 
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import hypothesis.strategies as st
 import pytest
@@ -12,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from test_batched_events import BUDGET, GREEDY, rollout, workload
 
-from compaction_gym.engine import CompactionConfig
+from compaction_gym.engine import CompactionConfig, event_batch
 from compaction_gym.engine.event_batch import PendingEvent, stack_rows
 from compaction_gym.engine.session import ProbeRing
 from compaction_gym.engine.slot_cache import SlotKVCache
@@ -120,14 +122,14 @@ def test_replace_spans_equals_one_replace_span_per_slot(specs, t, with_beta, kno
 
 
 def event_of(
-    cache: SlotKVCache, slot: int, span: tuple[int, int], n: int, ring: int, seed: int
+    cache: SlotKVCache, slot: int, span: tuple[int, int], n: int, ring: int, seed: int, refit: bool = True
 ) -> PendingEvent:
     """An event on ``slot`` with ``n`` probes per row: a tensor (``ring = 0``) or, as suffix probes,
     the views of a probe ring of 2 query heads per KV head (``n`` recorded positions, after
     ``3 · ring`` older ones, so that the selection wraps around the ring or not)."""
     keys, values, beta = cache.rows(slot)
     g = torch.Generator().manual_seed(seed)
-    cfg = SimpleNamespace(mode="attention_matching", compute_beta=True, ridge=1e-4, refit_values=True)
+    cfg = SimpleNamespace(mode="attention_matching", compute_beta=True, ridge=1e-4, refit_values=refit)
     p = PendingEvent(
         session=SimpleNamespace(config=cfg), span=span, trigger="kv_budget", target=2, index=0,
         logical_span=span, kv_len_before=cache.length(slot), keys=keys, values=values,
@@ -150,8 +152,16 @@ def grouped(p: PendingEvent) -> PendingEvent:
 
 
 @settings(max_examples=40, deadline=None)
-@example(specs=[(4, 10, 0, True, 12), (4, 30, 2, False, 12)], dtype="float32", seed=0)
-@example(specs=[(4, 10, 1, True, 7), (2, 30, 3, False, 12), (3, 0, 0, True, 3)], dtype="bfloat16", seed=1)
+@example(
+    specs=[(4, 10, 0, True, 12), (4, 30, 2, False, 12)], dtype="float32", seed=0, refit=True, row_gathers=True
+)
+@example(
+    specs=[(4, 10, 1, True, 7), (2, 30, 3, False, 12), (3, 0, 0, True, 3)],
+    dtype="bfloat16",
+    seed=1,
+    refit=False,
+    row_gathers=False,
+)
 @given(
     specs=st.lists(  # per event: span start, rows after the span, probes (tensor / ring), β, count
         st.tuples(
@@ -166,11 +176,15 @@ def grouped(p: PendingEvent) -> PendingEvent:
     ),
     dtype=st.sampled_from(["float32", "float64", "bfloat16"]),
     seed=st.integers(0, 10_000),
+    refit=st.booleans(),
+    row_gathers=st.booleans(),
 )
-def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
+def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed, refit, row_gathers):
     """Property: the stacked keys, values, bias (−inf padding), probes, mask, span and shifts
-    gathered from the slots in one indexed copy per buffer, and the probes copied from the rings'
-    views, are those the per-event copies of grouped probes give."""
+    gathered from the slots in one indexed copy per buffer (or, as on a GPU, by row gathers from
+    flat indices, here with a reference gather), and the probes copied from the rings' views, are
+    those the per-event copies of grouped probes give; and the stacked rows are each slot's own
+    (values in the span alone when C2 is refitted, zero elsewhere)."""
     span_len = 8
     order = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(seed)).tolist()[: len(specs)]
     lengths = [0] * SLOTS
@@ -181,11 +195,16 @@ def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
 
     def events():
         return [
-            event_of(cache, s, (a, a + span_len), n, ring, seed + i)
+            event_of(cache, s, (a, a + span_len), n, ring, seed + i, refit)
             for i, (s, (a, _, ring, _, n)) in enumerate(zip(order, specs))
         ]
 
-    got, want = stack_rows(events(), cache), stack_rows([grouped(p) for p in events()])
+    with ExitStack() as patches:
+        if row_gathers:  # the GPU path's flat indices, gathered by x[idx] with a zero row for -1
+            patches.enter_context(patch.object(event_batch, "_gathers_rows", lambda cache: True))
+            patches.enter_context(patch.object(event_batch, "gather_rows", reference_gather))
+        got = stack_rows(events(), cache)
+    want = stack_rows([grouped(p) for p in events()])
     for name in ("keys", "values", "key_bias", "queries", "query_mask", "shifts"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
@@ -196,6 +215,23 @@ def test_stack_rows_from_the_cache_equals_per_event_copies(specs, dtype, seed):
                 b.view(torch.uint8) if b.is_floating_point() else b,
             ), name
     assert got.span == want.span
+    start = max(a for a, *_ in specs)
+    for i, (s, (a, after, *_)) in enumerate(zip(order, specs)):
+        shift, live = start - a, a + span_len + after
+        k, v, b = (x.view(len(specs), L * H, *x.shape[1:])[i] for x in (got.keys, got.values, got.key_bias))
+        assert torch.equal(k[:, shift : shift + live], cache.k[s].reshape(L * H, CAP, D)[:, :live])
+        assert not k[:, :shift].any() and not k[:, shift + live :].any()
+        assert torch.isinf(b[:, :shift]).all() and torch.isinf(b[:, shift + live :]).all()
+        kept = (start, start + span_len) if refit else (shift, shift + live)
+        src = cache.v[s].reshape(L * H, CAP, D)[:, kept[0] - shift : kept[1] - shift]
+        assert torch.equal(v[:, kept[0] : kept[1]], src)
+        assert not v[:, : kept[0]].any() and not v[:, kept[1] :].any()
+
+
+def reference_gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``gather_rows``' result by indexing: row ``idx`` of ``x``, a zero row for ``-1``."""
+    assert idx.dtype == torch.int64 and (idx >= -1).all() and (idx < x.shape[0]).all()
+    return torch.where((idx >= 0)[..., None], x[idx.clamp(min=0)], torch.zeros((), dtype=x.dtype))  # +0.0
 
 
 @settings(max_examples=60, deadline=None)

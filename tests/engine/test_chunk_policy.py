@@ -1,0 +1,150 @@
+"""Where decode chunks end (``engine.chunk_policy``, docs/engine.md "Decode chunks end at pauses"):
+the plan against a brute force over every cut set, the online costs, and a scheduler whose chunks
+end at pauses giving the same sessions as one whose chunks run to their longest row."""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from engine_helpers import make_prompt
+from hypothesis import given, settings
+
+from compaction_gym.engine import CompactionConfig, CreateRequest, Engine, SamplingParams, StepRequest
+from compaction_gym.engine.chunk_policy import ChunkCosts, plan
+
+
+def brute_cost(
+    points: list[int], longest: int, cuts: tuple[int, ...], step_s: float, event_s: float, restart_s: float
+) -> float:
+    """A cut set's cost from its definition: each row waits for the first cut at or after its
+    pause (or the chunk's end); the tail is the longest wait; one round of host work per point
+    where rows are served; one chunk per cut, one to the end and one for the tail if any."""
+    waits, served = [], set()
+    for p in points:
+        c = min([c for c in cuts if c >= p], default=longest)
+        waits.append(c - p)
+        served.add(c)
+    chunks = len(cuts) + 1 + (max(waits) > 0)
+    return step_s * max(waits) + event_s * len(served) + restart_s * chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    points=st.sets(st.integers(1, 30), min_size=1, max_size=7),
+    extra=st.integers(1, 6),
+    step_s=st.floats(0.1, 10),
+    event_s=st.floats(0, 30),
+    restart_s=st.floats(0, 30),
+)
+def test_the_plan_is_the_cheapest_cut_set(points, extra, step_s, event_s, restart_s):
+    """Property: over pause points, chunk lengths and costs, the plan's cost is the minimum over
+    every subset of the points as cuts (brute force), and its cuts cost that much."""
+    points = sorted(points)
+    longest = points[-1] + extra
+    costs = (step_s, event_s, restart_s)
+    cost, cuts = plan(points, longest, *costs)
+    subsets = (c for r in range(len(points) + 1) for c in itertools.combinations(points, r))
+    best = min(brute_cost(points, longest, c, *costs) for c in subsets)
+    assert cost == pytest.approx(best, rel=1e-12, abs=1e-12)
+    assert brute_cost(points, longest, tuple(cuts), *costs) == pytest.approx(best, rel=1e-12, abs=1e-12)
+    assert cuts == sorted(set(cuts)) and set(cuts) <= set(points)
+
+
+def test_the_costs_come_from_recent_chunks_and_rounds():
+    costs = ChunkCosts()
+    assert costs.step_s() is None and costs.restart_s() == costs.event_s() == 0.0
+    assert costs.chunk_steps([5, 9], 19) == 5  # unmeasured: cut, and measure what it costs
+    assert costs.chunk_steps([], 19) == 19 and costs.chunk_steps([19, 25], 19) == 19
+    for steps, seconds in [(19, 0.19), (16, 0.16), (19, 5.0)]:  # one long stall (a compile)
+        costs.add_chunk(steps, seconds)
+    assert costs.step_s() == pytest.approx(0.01)  # the median per step ignores it
+    costs.add_chunk(1, 0.013)  # a short chunk: one step and its restart
+    costs.add_chunk(2, 0.023)
+    assert costs.restart_s() == pytest.approx(0.003)
+    costs.add_round(2, 0.004)  # rounds of 3 ms plus 0.5 ms per event
+    assert costs.event_s() == pytest.approx(0.004)  # one size seen: the small rounds' median
+    for events, seconds in [(6, 0.006), (40, 0.023), (3, 0.9), (0, 1.0)]:  # a stall; no event: no round
+        costs.add_round(events, seconds)
+    assert costs.event_s() == pytest.approx(0.003)  # the fixed part: the events' share is paid anyway
+    # a pause at every step from 3: running on costs a 16-step tail (0.16 s), a round and 2 chunks;
+    # a cut at each, 16 rounds and 17 chunks; best: a round every 3 pauses (7 chunks), a 2-step tail
+    assert plan(list(range(3, 19)), 19, 0.01, 0.003, 0.003) == (pytest.approx(0.059), [5, 8, 11, 14, 17])
+    assert costs.chunk_steps(list(range(3, 19)), 19) == 5
+
+    costs = ChunkCosts()  # slow host work: a restart 0.09 s, a round 0.2 s
+    costs.add_chunk(19, 0.19)
+    for _ in range(3):
+        costs.add_chunk(1, 0.1)
+    for events, seconds in [(1, 0.2), (2, 0.2005), (4, 0.2015)]:
+        costs.add_round(events, seconds)
+    assert costs.restart_s() == pytest.approx(0.09) and costs.event_s() == pytest.approx(0.1995)
+    assert costs.chunk_steps(list(range(3, 19)), 19) == 19  # no cut is worth its rounds
+    assert costs.chunk_steps([3], 19) == 3  # but one pause is served at the same round earlier
+
+
+BUDGET = {"max_kv_len": 48, "compact_window": 24, "compact_target_ratio": 0.25, "n_probe_queries": 8}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return Engine.from_pretrained(
+        tiny_model_path, dtype=torch.float64, device="cpu", max_slots=4, capacity=512
+    )
+
+
+def play(engine: Engine, cut: bool, restart_s: float | None = None):
+    """Four sessions whose KV-budget events fall inside their responses at different steps (β on,
+    temperature 1.5): their views and the decode chunks' (rows, steps)."""
+    chunks: list[tuple[int, int]] = []
+    runner, scheduler = engine.runner, engine.scheduler
+    decode_chunk, old = runner.decode_chunk, (scheduler.cut_chunks, scheduler.chunk_costs)
+
+    def recording(rows, steps):
+        chunks.append((len(rows), steps))
+        return decode_chunk(rows, steps)
+
+    runner.decode_chunk = recording
+    scheduler.cut_chunks, scheduler.chunk_costs = cut, ChunkCosts()
+    if restart_s is not None:  # every cut priced out
+        scheduler.chunk_costs.restart_s = lambda: restart_s
+    cfg = CompactionConfig(mode="attention_matching", compute_beta=True, **BUDGET)
+    sampling = SamplingParams(temperature=1.5, max_new_tokens=14, ignore_eos=True)
+    try:
+        created = engine.step_batch(
+            [CreateRequest(make_prompt(n, seed=i), cfg, sampling.replace(seed=i)) for i, n in enumerate([11, 14, 17, 20])]
+        )  # fmt: skip
+        sids = [r.session_id for r in created]
+        for turn in range(3):
+            engine.step_batch(
+                [StepRequest(s, make_prompt(5 + i, seed=50 + 10 * turn + i)) for i, s in enumerate(sids)]
+            )
+        views = [engine.session(s) for s in sids]
+    finally:
+        del runner.decode_chunk
+        scheduler.cut_chunks, scheduler.chunk_costs = old
+        for s in engine.session_ids:
+            engine.close(s)
+    return views, chunks
+
+
+def test_chunks_that_end_at_pauses_give_the_same_sessions(engine):
+    """The same tokens, log-probs and events (at the same tokens, the same kept rows) whether
+    chunks end at pauses or run on; ending them removes the tail steps that only paused rows ran,
+    and with every cut priced out the chunks are those that run on."""
+    assert engine.scheduler.cut_chunks  # the default
+    (on, chunks_on), (off, chunks_off) = play(engine, True), play(engine, False)
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+        assert len(a.events) == len(b.events) >= 2
+        for ea, eb in zip(a.events, b.events):
+            assert (ea.span, ea.logical_span, ea.kv_len_after) == (eb.span, eb.logical_span, eb.kv_len_after)
+            assert torch.equal(ea.indices, eb.indices)
+    full = len(on)
+    assert any(rows < full for rows, _ in chunks_off)  # tails: chunks of paused rows alone
+    assert all(rows == full for rows, _ in chunks_on)
+    assert sum(s for _, s in chunks_on) < sum(s for _, s in chunks_off)
+    assert play(engine, True, restart_s=1e9)[1] == chunks_off
