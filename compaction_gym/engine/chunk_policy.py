@@ -5,81 +5,40 @@ budget message — and goes on afterwards. Run to its longest row's limit, a chu
 rows behind: they take their remaining steps after it, in a *tail* of steps the other rows do not
 share (lock-step turns: 177 decode steps instead of 152 in ``bench_sessions.py``'s workload).
 Ending the chunk at a pause shortens that tail, but every cut costs one more round: a chunk
-restart and an event call for fewer rows. :class:`ChunkCosts` times both online and cuts where the
-steps saved are worth more than the rounds added (docs/engine.md, "Decode chunks end at pauses").
+restart and an event call for fewer rows. :class:`ChunkCosts` prices both in decode steps and cuts
+where the steps saved are worth more than the rounds added (docs/engine.md, "Decode chunks end at
+pauses"). The prices are constants, not timings, so a run's chunks (and which events share a
+stacked call) depend on its inputs alone.
 """
 
 from __future__ import annotations
 
-import itertools
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
-
-#: samples each estimate keeps (medians of recent ones: a compile or a stall fades out)
-_WINDOW = 16
-#: a chunk this long amortises its restart: its seconds per step are the step's cost
-_LONG_CHUNK = 4
-#: an event round this small costs about its fixed part
-_SMALL_ROUND = 3
+from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChunkCosts:
-    """Recent decode chunks and event rounds, timed, and the cut decision they imply."""
+    """What one more round costs, in decode steps of the batch.
 
-    chunks: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_WINDOW))
-    rounds: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    The defaults are the H100 measurements at the Qwen3-4B shape with 64 sessions (a step
+    6.0–6.5 ms, a 1-step chunk 8.4–8.8 ms, an event call of a few events 2.7–4.8 ms beyond its
+    events; docs/benchmarks.md, "Session 28"). Smaller models pay relatively more per round (0.6B:
+    a step 3.2 ms, a restart ~2 ms); raise them there.
+    """
 
-    def add_chunk(self, steps: int, seconds: float) -> None:
-        """A decode chunk of ``steps`` steps took ``seconds`` (launch to tokens on the host)."""
-        if steps > 0:
-            self.chunks.append((steps, seconds))
-
-    def add_round(self, events: int, seconds: float) -> None:
-        """The host work after a chunk (``events`` compaction events among it) took ``seconds``."""
-        if events > 0:
-            self.rounds.append((events, seconds))
-
-    def step_s(self) -> float | None:
-        """Seconds per decode step: the median over long chunks (any chunk if none is long)."""
-        long = [s / n for n, s in self.chunks if n >= _LONG_CHUNK]
-        per_step = long or [s / n for n, s in self.chunks]
-        return statistics.median(per_step) if per_step else None
-
-    def restart_s(self) -> float:
-        """Seconds a chunk costs beyond its steps (launch, the wait for its tokens): the median over
-        short chunks; 0 while unmeasured, so the first pauses are cut and measure it."""
-        step = self.step_s()
-        short = [max(0.0, s - n * step) for n, s in self.chunks if n < _LONG_CHUNK] if step else []
-        return statistics.median(short) if short else 0.0
-
-    def event_s(self) -> float:
-        """Seconds a round of host work costs beyond its events' own: the intercept of the rounds'
-        seconds against their events (Theil–Sen: the median of pairwise slopes, robust to a stall;
-        the events' share is paid with or without a cut). With one round size seen, the median of
-        small rounds; 0 while unmeasured."""
-        rounds = list(self.rounds)
-        slopes = [
-            (sj - si) / (nj - ni) for (ni, si), (nj, sj) in itertools.combinations(rounds, 2) if nj != ni
-        ]
-        if slopes:
-            slope = max(0.0, statistics.median(slopes))
-            return max(0.0, statistics.median(s - slope * n for n, s in rounds))
-        small = [s for n, s in rounds if n <= _SMALL_ROUND]
-        return statistics.median(small) if small else 0.0
+    #: fixed cost of one round of host work for a few events (an event call), in steps
+    event_steps: float = 1.0
+    #: cost of one more chunk beyond its steps (launch, the wait for its tokens), in steps
+    restart_steps: float = 0.5
 
     def chunk_steps(self, pauses: list[int], longest: int) -> int:
         """The chunk's length for rows pausing after ``pauses`` steps (each such row's limit) when
-        its longest row may run ``longest``: the first cut of the cheapest plan (:func:`plan`) with
-        the measured costs, ``longest`` for none. The next chunk plans again."""
+        its longest row may run ``longest``: the first cut of the cheapest plan (:func:`plan`),
+        ``longest`` for none. The next chunk plans again."""
         points = sorted({p for p in pauses if 0 < p < longest})
         if not points:
             return longest
-        step = self.step_s()
-        if step is None:
-            return points[0]
-        cuts = plan(points, longest, step, self.event_s(), self.restart_s())[1]
+        cuts = plan(points, longest, 1.0, self.event_steps, self.restart_steps)[1]
         return cuts[0] if cuts else longest
 
 

@@ -106,10 +106,10 @@ class Scheduler:
         self.running: list[Work] = []
         #: results finished by :meth:`run` for works it was not asked about; :meth:`advance` returns them
         self.held: list[tuple[Work, StepResult]] = []
-        #: end a decode chunk where rows pause for host work, where that pays
-        #: (:class:`~compaction_gym.engine.chunk_policy.ChunkCosts`); ``False``: run every chunk to
-        #: its longest row's limit. Each row samples from its own stream and its events fire at the
-        #: same tokens either way; only which events share a stacked call (their rounding) changes.
+        #: end a decode chunk where rows pause for host work, where that pays at the prices of
+        #: :attr:`chunk_costs`; ``False``: run every chunk to its longest row's limit. Each row
+        #: samples from its own stream and its events fire at the same tokens either way; only which
+        #: events share a stacked call (their rounding) changes.
         self.cut_chunks = True
         self.chunk_costs = ChunkCosts()
 
@@ -503,8 +503,8 @@ class Scheduler:
         """One :meth:`~ModelRunner.decode_chunk` over rows whose one pending token is cleared to feed.
 
         The chunk runs to its longest row's limit, or ends at a step where rows pause for host work
-        when the measured costs say that saves time (:attr:`chunk_costs`; docs/engine.md, "Decode
-        chunks end at pauses")."""
+        when that saves time at the prices of :attr:`chunk_costs` (docs/engine.md, "Decode chunks
+        end at pauses")."""
         if not works:
             return
         free = [self._free_steps(w, horizon) for w in works]
@@ -516,10 +516,7 @@ class Scheduler:
             DecodeRow(w.session.slot, w.session.pending[0], w.session.fed, min(n, steps), w.params, w.stream, w.stop_ids, w.session.probes)
             for w, (n, _) in zip(works, free)
         ]  # fmt: skip
-        t0 = time.perf_counter()
         decoded = self.runner.decode_chunk(rows, steps)
-        t1 = time.perf_counter()
-        self.chunk_costs.add_chunk(steps, t1 - t0)
         going = []
         for w, (tokens, logprobs) in zip(works, decoded):
             s = w.session
@@ -531,9 +528,7 @@ class Scheduler:
                 assert going_on or i == len(tokens) - 1, "a row ran past its stop"
             if going_on:
                 going.append(w)
-        events = sum(len(w.events) for w in going)
         self._room_for_next(going)
-        self.chunk_costs.add_round(sum(len(w.events) for w in going) - events, time.perf_counter() - t1)
 
     def _free_steps(self, w: Work, horizon: int) -> tuple[int, bool]:
         """Decode steps ``w`` may run before the host must act (at least 1, at most ``horizon``),

@@ -1,6 +1,6 @@
 """Where decode chunks end (``engine.chunk_policy``, docs/engine.md "Decode chunks end at pauses"):
-the plan against a brute force over every cut set, the online costs, and a scheduler whose chunks
-end at pauses giving the same sessions as one whose chunks run to their longest row."""
+the plan against a brute force over every cut set, the chunk lengths it gives, and a scheduler
+whose chunks end at pauses giving the same sessions as one whose chunks run to their longest row."""
 
 from __future__ import annotations
 
@@ -53,36 +53,19 @@ def test_the_plan_is_the_cheapest_cut_set(points, extra, step_s, event_s, restar
     assert cuts == sorted(set(cuts)) and set(cuts) <= set(points)
 
 
-def test_the_costs_come_from_recent_chunks_and_rounds():
-    costs = ChunkCosts()
-    assert costs.step_s() is None and costs.restart_s() == costs.event_s() == 0.0
-    assert costs.chunk_steps([5, 9], 19) == 5  # unmeasured: cut, and measure what it costs
-    assert costs.chunk_steps([], 19) == 19 and costs.chunk_steps([19, 25], 19) == 19
-    for steps, seconds in [(19, 0.19), (16, 0.16), (19, 5.0)]:  # one long stall (a compile)
-        costs.add_chunk(steps, seconds)
-    assert costs.step_s() == pytest.approx(0.01)  # the median per step ignores it
-    costs.add_chunk(1, 0.013)  # a short chunk: one step and its restart
-    costs.add_chunk(2, 0.023)
-    assert costs.restart_s() == pytest.approx(0.003)
-    costs.add_round(2, 0.004)  # rounds of 3 ms plus 0.5 ms per event
-    assert costs.event_s() == pytest.approx(0.004)  # one size seen: the small rounds' median
-    for events, seconds in [(6, 0.006), (40, 0.023), (3, 0.9), (0, 1.0)]:  # a stall; no event: no round
-        costs.add_round(events, seconds)
-    assert costs.event_s() == pytest.approx(0.003)  # the fixed part: the events' share is paid anyway
-    # a pause at every step from 3: running on costs a 16-step tail (0.16 s), a round and 2 chunks;
-    # a cut at each, 16 rounds and 17 chunks; best: a round every 3 pauses (7 chunks), a 2-step tail
-    assert plan(list(range(3, 19)), 19, 0.01, 0.003, 0.003) == (pytest.approx(0.059), [5, 8, 11, 14, 17])
-    assert costs.chunk_steps(list(range(3, 19)), 19) == 5
-
-    costs = ChunkCosts()  # slow host work: a restart 0.09 s, a round 0.2 s
-    costs.add_chunk(19, 0.19)
-    for _ in range(3):
-        costs.add_chunk(1, 0.1)
-    for events, seconds in [(1, 0.2), (2, 0.2005), (4, 0.2015)]:
-        costs.add_round(events, seconds)
-    assert costs.restart_s() == pytest.approx(0.09) and costs.event_s() == pytest.approx(0.1995)
-    assert costs.chunk_steps(list(range(3, 19)), 19) == 19  # no cut is worth its rounds
-    assert costs.chunk_steps([3], 19) == 3  # but one pause is served at the same round earlier
+def test_chunks_end_at_the_plans_first_cut():
+    costs = ChunkCosts()  # a round 1 step, a restart 0.5
+    assert costs.chunk_steps([], 19) == 19 and costs.chunk_steps([19, 25], 19) == 19  # no pause inside
+    assert costs.chunk_steps([5], 19) == 5  # one pause: served at the same round 14 steps earlier
+    # a pause at every step from 3: running on costs a 16-step tail, a round and 2 chunks (19);
+    # a cut at each, 16 rounds and 17 chunks (24.5); best: a round every 4 pauses (4 + 6 · 0.5 + 3)
+    assert plan(list(range(3, 19)), 19, 1.0, 1.0, 0.5) == (pytest.approx(10.0), [6, 10, 14, 18])
+    assert costs.chunk_steps(list(range(3, 19)), 19) == 6
+    assert costs.chunk_steps([9, 3, 3, 5], 19) == 3  # any order, repeats
+    dear = ChunkCosts(event_steps=20.0, restart_steps=9.0)  # rounds dearer than any tail
+    assert dear.chunk_steps(list(range(10, 19)), 19) == 19
+    # one round only, at the last pause rather than after the chunk: 1 step of tail less, 1 chunk more
+    assert ChunkCosts(event_steps=20.0, restart_steps=0.5).chunk_steps(list(range(3, 19)), 19) == 18
 
 
 BUDGET = {"max_kv_len": 48, "compact_window": 24, "compact_target_ratio": 0.25, "n_probe_queries": 8}
@@ -95,7 +78,7 @@ def engine(tiny_model_path):
     )
 
 
-def play(engine: Engine, cut: bool, restart_s: float | None = None):
+def play(engine: Engine, cut: bool, costs: ChunkCosts | None = None):
     """Four sessions whose KV-budget events fall inside their responses at different steps (β on,
     temperature 1.5): their views and the decode chunks' (rows, steps)."""
     chunks: list[tuple[int, int]] = []
@@ -107,9 +90,7 @@ def play(engine: Engine, cut: bool, restart_s: float | None = None):
         return decode_chunk(rows, steps)
 
     runner.decode_chunk = recording
-    scheduler.cut_chunks, scheduler.chunk_costs = cut, ChunkCosts()
-    if restart_s is not None:  # every cut priced out
-        scheduler.chunk_costs.restart_s = lambda: restart_s
+    scheduler.cut_chunks, scheduler.chunk_costs = cut, costs or ChunkCosts()
     cfg = CompactionConfig(mode="attention_matching", compute_beta=True, **BUDGET)
     sampling = SamplingParams(temperature=1.5, max_new_tokens=14, ignore_eos=True)
     try:
@@ -147,4 +128,5 @@ def test_chunks_that_end_at_pauses_give_the_same_sessions(engine):
     assert any(rows < full for rows, _ in chunks_off)  # tails: chunks of paused rows alone
     assert all(rows == full for rows, _ in chunks_on)
     assert sum(s for _, s in chunks_on) < sum(s for _, s in chunks_off)
-    assert play(engine, True, restart_s=1e9)[1] == chunks_off
+    assert play(engine, True, ChunkCosts(restart_steps=1e9))[1] == chunks_off  # every cut priced out
+    assert play(engine, True)[1] == chunks_on  # the same chunks every run: no timing decides
