@@ -8,7 +8,7 @@ decode steps (and those of partial batches: rows left behind by a pause), the ev
 wall time of the turns and its ratio to the chunks that run on, and whether the tokens agree
 (they need not in float32 or bf16: other batch compositions round differently).
 
-On a CPU the model is a tiny random Qwen3 (the step and event counts are the workload's, the times
+On a CPU the model is a random Qwen3 at tiny widths (the step and event counts are the workload's, the times
 the CPU's); on CUDA a random Qwen3 shape of ``gpu_shapes.py`` on the fast engine.
 
 Usage:
@@ -38,22 +38,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per policy (median)")
     p.add_argument("--threads", type=int, default=1)
     return p
-
-
-def tiny_model():
-    """A random two-layer Qwen3 with head dim 64 and a vocabulary that holds the workload's ids."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from compaction_gym.engine.attention import register_attention
-
-    config = Qwen3Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        intermediate_size=128, vocab_size=50_304, tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.float32).eval()
-    register_attention()
-    return model
 
 
 def play(engine, args, config, sampling, cut: bool) -> dict:
@@ -109,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     from compaction_gym.engine import CompactionConfig, Engine, SamplingParams
 
     cuda = args.device.startswith("cuda")
-    model = random_model(args.model) if cuda else tiny_model()
+    # on a CPU: two narrow layers (head dim 64), a vocabulary that holds the workload's ids
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                intermediate_size=128, vocab_size=50_304)  # fmt: skip
+    model = random_model(args.model) if cuda else random_model(args.model, "cpu", torch.float32, **tiny)
     capacity = args.prompt + (args.turns + 2) * (70 + args.new_tokens) + 16
     engine = Engine(model, None, max_slots=args.sessions, capacity=capacity, fast=cuda)
     sampling = SamplingParams(temperature=0.7, max_new_tokens=args.new_tokens, ignore_eos=True)

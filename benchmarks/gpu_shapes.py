@@ -30,13 +30,16 @@ QWEN3_SHAPES: dict[str, dict] = {
 }  # fmt: skip
 
 
-def random_model(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A random-weight ``Qwen3ForCausalLM`` of a :data:`QWEN3_SHAPES` shape, built on ``device``."""
+def random_model(
+    name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: object
+):
+    """A random-weight ``Qwen3ForCausalLM`` of a :data:`QWEN3_SHAPES` shape, built on ``device``;
+    ``overrides`` replace config values (a CPU run's narrow widths)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from compaction_gym.engine.attention import register_attention
 
-    config = Qwen3Config(**QWEN3_SHAPES[name], attn_implementation="sdpa")
+    config = Qwen3Config(**{**QWEN3_SHAPES[name], **overrides}, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)

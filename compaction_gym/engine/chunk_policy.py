@@ -38,21 +38,21 @@ class ChunkCosts:
         points = sorted({p for p in pauses if 0 < p < longest})
         if not points:
             return longest
-        cuts = plan(points, longest, 1.0, self.event_steps, self.restart_steps)[1]
+        cuts = plan(points, longest, self.event_steps, self.restart_steps)[1]
         return cuts[0] if cuts else longest
 
 
 def plan(
-    points: list[int], longest: int, step_s: float, event_s: float, restart_s: float
+    points: list[int], longest: int, event_steps: float, restart_steps: float
 ) -> tuple[float, list[int]]:
     """The cheapest cuts for rows pausing at ``points`` (sorted, distinct, below ``longest``):
-    ``(cost, cuts)``.
+    ``(cost in decode steps, cuts)``.
 
     A row pausing at ``p`` is served (its host work done) at the first cut ``c ≥ p``, or after the
     chunk, at ``longest``; it then takes its remaining steps, so it finishes ``c − p`` steps after
-    the rows that never paused. A plan costs ``step_s`` per step of the largest such delay (the
-    tail, which only late rows run), ``event_s`` per round of host work (one per point where rows
-    are served) and ``restart_s`` per chunk (one per cut, the one to ``longest``, and the tail's).
+    the rows that never paused. A plan costs the largest such delay (the tail, which only late rows
+    run), ``event_steps`` per round of host work (one per point where rows are served) and
+    ``restart_steps`` per chunk (one per cut, the one to ``longest``, and the tail's).
     For each candidate delay the fewest rounds that keep every row within it come from covering
     the points greedily, each round at the last point (or ``longest``) within the delay of the
     first row still waiting; fewer rounds also mean fewer cuts.
@@ -70,7 +70,7 @@ def plan(
             while i < len(points) and points[i] <= c:
                 i += 1
         chunks = len(cuts) + 1 + (delay > 0)
-        cost = step_s * delay + event_s * rounds + restart_s * chunks
+        cost = delay + event_steps * rounds + restart_steps * chunks
         if cost < best[0]:
             best = (cost, cuts)
     return best

@@ -249,9 +249,9 @@ def _gather_rows(
     live = np.array([p.keys.shape[1] for p in events], np.int64)
     pad = (src < 0) | (src >= live[:, None])
     slot = np.array([p.slot for p in events], np.int64)
-    per_row = (cache.max_slots, rows, cache.capacity)
     if _gathers_rows(cache):
         return _gather_rows_fast(cache, slot, np.where(pad, -1, src), shift, rows, value_span)
+    per_row = (cache.max_slots, rows, cache.capacity)
     pad_event, pad_row = np.nonzero(pad)
     host = [slot[:, None, None], np.arange(rows)[None, :, None], np.where(pad, 0, src)[:, None, :]]
     slot, head, src, pad_event, pad_row, shift_t = upload([*host, pad_event, pad_row, shift], cache.k.device)
