@@ -16,17 +16,24 @@ ignored so every turn has the same length). Tokens/s = sampled tokens ÷ wall ti
   the events due at one scheduler step are scored in stacked calls (docs/engine.md, "Batched
   events"). Its ratio to **concurrent** is issue #28's "compaction nearly free" figure (target
   ≥ 90 %). ``--compare-unbatched-events`` also times it with every event scored alone
-  (``Compactor.batch_events = False``, the path before stacking), in the same run.
+  (``Compactor.batch_events = False``, the path before stacking), ``--compare-chunk-cuts`` with
+  decode chunks that run on past the rows' KV-budget pauses (``Scheduler.cut_chunks = False``,
+  docs/engine.md, "Decode chunks end at pauses"), in the same run.
+
+The concurrent and compaction runs alternate ``--pairs`` times (a shared GPU's speed drifts
+between runs); their rows are the median pair's, and the ratio is the median of the pairs' ratios
+(their range in the notes).
 
 Usage:
     python benchmarks/bench_sessions.py
     python benchmarks/bench_sessions.py --sessions 64 --turns 12 --model qwen3-0.6b
-    python benchmarks/bench_sessions.py --compare-unbatched-events
+    python benchmarks/bench_sessions.py --compare-unbatched-events --compare-chunk-cuts --pairs 5
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -49,6 +56,14 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time the compaction run with every event scored alone (events not stacked)",
     )
+    p.add_argument(
+        "--compare-chunk-cuts",
+        action="store_true",
+        help="also time the compaction run with decode chunks that run on past KV-budget pauses",
+    )
+    p.add_argument(
+        "--pairs", type=int, default=3, help="concurrent / compaction runs alternated (medians reported)"
+    )
     return p
 
 
@@ -70,20 +85,22 @@ def open_sessions(engine, n: int, prompt: int, config, offset: int) -> list[str]
     return ids
 
 
-def compaction_run(engine, n, args, config, sampling, *, stacked: bool, offset: int = 0):
+def compaction_run(
+    engine, n, args, config, sampling, *, stacked: bool, cut_chunks: bool = True, offset: int = 0
+):
     """(sampled tokens, seconds, events, scoring calls, kv lengths) of the turns with compaction.
 
     ``stacked=False`` scores every event alone; the scoring calls (one per stacked group or lone
-    event) are counted.
+    event) are counted. ``cut_chunks=False``: decode chunks run on past the rows' KV-budget pauses.
     """
-    compactor, calls = engine.compactor, []
-    scorer, batch_events = compactor.compact_fn, compactor.batch_events
+    compactor, scheduler, calls = engine.compactor, engine.scheduler, []
+    scorer, batch_events, cuts = compactor.compact_fn, compactor.batch_events, scheduler.cut_chunks
 
     def counted(*a, **kw):
         calls.append(1)
         return scorer(*a, **kw)
 
-    compactor.compact_fn, compactor.batch_events = counted, stacked
+    compactor.compact_fn, compactor.batch_events, scheduler.cut_chunks = counted, stacked, cut_chunks
     try:
         sids = open_sessions(engine, n, args.prompt, config, offset)
         tok, sec, events = run_turns(engine, sids, range(args.turns), sampling, batched=True)
@@ -91,8 +108,13 @@ def compaction_run(engine, n, args, config, sampling, *, stacked: bool, offset: 
         for s in sids:
             engine.close(s)
     finally:
-        compactor.compact_fn, compactor.batch_events = scorer, batch_events
+        compactor.compact_fn, compactor.batch_events, scheduler.cut_chunks = scorer, batch_events, cuts
     return tok, sec, events, len(calls), kv_lens
+
+
+def median_run(runs: list[tuple]) -> tuple:
+    """The run (sampled tokens, seconds, ...) with the median tokens/s (the lower one of an even count)."""
+    return sorted(runs, key=lambda r: r[0] / r[1])[(len(runs) - 1) // 2]
 
 
 def run_turns(engine, sids: list[str], turns: range, sampling, batched: bool) -> tuple[int, float, int]:
@@ -117,7 +139,10 @@ def run_turns(engine, sids: list[str], turns: range, sampling, batched: bool) ->
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
     if not torch.cuda.is_available():
         print("bench_sessions needs a CUDA device", file=sys.stderr)
         return 2
@@ -143,16 +168,36 @@ def main(argv: list[str] | None = None) -> int:
         engine.close(s)
     # the compaction kernels compile at the timed events' shapes (with an empty Triton cache a lone
     # smaller event left compiles inside the timed run: 1,630 instead of 4,534 tok/s on an H100)
-    modes = (True, False) if args.compare_unbatched_events else (True,)  # events stacked / alone
-    for stacked in modes:
-        warm_events = compaction_run(engine, n, args, compacting, sampling, stacked=stacked, offset=20_000)[2]
+    variants = [("events stacked", True, True)]  # (label, events stacked, chunks cut at pauses)
+    if args.compare_unbatched_events:
+        variants.append(("events alone", False, True))
+    if args.compare_chunk_cuts:
+        variants.append(("events stacked, chunks run on", True, False))
+    for _, stacked, cuts in variants:
+        warm_events = compaction_run(
+            engine, n, args, compacting, sampling, stacked=stacked, cut_chunks=cuts, offset=20_000
+        )[2]
         assert warm_events, "the warm-up fired no compaction event: raise --turns or lower --max-kv-len"
 
-    sids = open_sessions(engine, n, args.prompt, plain, 0)
-    tok_c, sec_c, _ = run_turns(engine, sids, range(args.turns), sampling, batched=True)
-    for s in sids:
-        engine.close(s)
-    print(f"concurrent: {tok_c} tokens in {sec_c:.2f} s", flush=True)
+    plain_runs, compaction = [], {v: [] for v in variants}
+    for pair in range(args.pairs):
+        sids = open_sessions(engine, n, args.prompt, plain, 0)
+        plain_runs.append(run_turns(engine, sids, range(args.turns), sampling, batched=True))
+        for s in sids:
+            engine.close(s)
+        tok_c, sec_c, _ = plain_runs[-1]
+        print(f"pair {pair}: concurrent {tok_c} tokens in {sec_c:.2f} s", flush=True)
+        for v in variants:
+            compaction[v].append(
+                run := compaction_run(engine, n, args, compacting, sampling, stacked=v[1], cut_chunks=v[2])
+            )
+            tok_k, sec_k, events, calls, _ = run
+            print(
+                f"pair {pair}: concurrent + compaction ({v[0]}): {tok_k} tokens in {sec_k:.2f} s, {events} events "
+                f"in {calls} scoring calls; ÷ concurrent = {tok_k / sec_k / (tok_c / sec_c):.1%}",
+                flush=True,
+            )
+    tok_c, sec_c, _ = median_run(plain_runs)
     chunk_steps, engine.runner.chunk_steps = engine.runner.chunk_steps, 1
     sids = open_sessions(engine, n, args.prompt, plain, 0)
     tok_1, sec_1, _ = run_turns(engine, sids, range(args.turns), sampling, batched=True)
@@ -165,17 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     for s in sids:
         engine.close(s)
     print(f"one by one: {tok_s} tokens in {sec_s:.2f} s", flush=True)
-    compaction = {}
-    for stacked in modes:
-        compaction[stacked] = tok_k, sec_k, events, calls, _ = compaction_run(
-            engine, n, args, compacting, sampling, stacked=stacked
-        )
-        print(
-            f"concurrent + compaction (events {'stacked' if stacked else 'alone'}): {tok_k} tokens in "
-            f"{sec_k:.2f} s, {events} events in {calls} scoring calls; concurrent + compaction ÷ "
-            f"concurrent = {tok_k / sec_k / (tok_c / sec_c):.1%}",
-            flush=True,
-        )
 
     seq_tps = tok_s / sec_s
     rows.append([f"{n} sessions one by one", args.sequential_turns, tok_s, sec_s, seq_tps, 1.0, ""])
@@ -194,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{n} sessions concurrent", args.turns, tok_c, sec_c, tok_c / sec_c, tok_c / sec_c / seq_tps,
         f"chunks of ≤ {chunk_steps} steps: {sec_1 / sec_c:.2f}× token by token",
     ])  # fmt: skip
-    for stacked, (tok_k, sec_k, events, calls, kv_lens) in compaction.items():
+    for (label, _, _), runs in compaction.items():
+        ratios = [k[0] / k[1] / (c[0] / c[1]) for k, c in zip(runs, plain_runs)]
+        tok_k, sec_k, events, calls, kv_lens = median_run(runs)
         rows.append([
-            f"{n} sessions concurrent + AM β compaction, events {'stacked' if stacked else 'alone'}",
+            f"{n} sessions concurrent + AM β compaction, {label}",
             args.turns, tok_k, sec_k, tok_k / sec_k, tok_k / sec_k / seq_tps,
-            f"{tok_k / sec_k / (tok_c / sec_c):.1%} of concurrent; {events} events in {calls} calls, "
-            f"kv_len {min(kv_lens)}–{max(kv_lens)}",
+            f"{statistics.median(ratios):.1%} of concurrent (median of {len(ratios)} pairs, "
+            f"{min(ratios):.1%}–{max(ratios):.1%}); {events} events in {calls} calls, kv_len {min(kv_lens)}–{max(kv_lens)}",
         ])  # fmt: skip
     print()
     print_table(
