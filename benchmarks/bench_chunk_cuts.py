@@ -11,9 +11,14 @@ wall time of the turns and its ratio to the chunks that run on, and whether the 
 On a CPU the model is a random Qwen3 at tiny widths (the step and event counts are the workload's, the times
 the CPU's); on CUDA a random Qwen3 shape of ``gpu_shapes.py`` on the fast engine.
 
+Where the time goes: the seconds spent inside decode chunks and inside event calls (each call
+timed; on CUDA only with ``--attribute``, which synchronises the device around every call and so
+slows the runs it attributes), and the rest (prefill of the turns' inputs, the host's work).
+
 Usage:
     python benchmarks/bench_chunk_cuts.py                      # CPU, tiny model (~30 s)
     python benchmarks/bench_chunk_cuts.py --device cuda --model qwen3-4b --repeats 3
+    python benchmarks/bench_chunk_cuts.py --device cuda --model qwen3-4b --repeats 3 --attribute
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=20)
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per policy (median)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--attribute",
+        action="store_true",
+        help="on CUDA: synchronise around each chunk and event call to time them",
+    )
     return p
 
 
@@ -45,24 +55,37 @@ def play(engine, args, config, sampling, cut: bool) -> dict:
     from compaction_gym.engine import StepRequest
 
     scheduler, runner, compactor = engine.scheduler, engine.runner, engine.compactor
-    chunks, calls = [], []
+    chunks, calls, inside = [], [], {"decode": 0.0, "events": 0.0}
     decode_chunk, compact_many = runner.decode_chunk, compactor.compact_many
+    cuda = engine.cache.k.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    attribute = args.attribute or not cuda
+
+    def timed(part: str, fn, *a):
+        if not attribute:
+            return fn(*a)
+        sync()
+        t = time.perf_counter()
+        out = fn(*a)
+        sync()
+        inside[part] += time.perf_counter() - t
+        return out
 
     def counted_chunk(rows, steps):
         chunks.append((len(rows), steps))
-        return decode_chunk(rows, steps)
+        return timed("decode", decode_chunk, rows, steps)
 
     def counted_calls(requests):
         if requests:
             calls.append(len(requests))
-        return compact_many(requests)
+        return timed("events", compact_many, requests)
 
     runner.decode_chunk, compactor.compact_many = counted_chunk, counted_calls
     scheduler.cut_chunks = cut
     try:
         sids = open_sessions(engine, args.sessions, args.prompt, config, 0)
         chunks.clear(), calls.clear()
-        sync = torch.cuda.synchronize if engine.cache.k.is_cuda else (lambda: None)
+        inside.update(decode=0.0, events=0.0)
         sync()
         t = time.perf_counter()
         for turn in range(args.turns):
@@ -82,6 +105,8 @@ def play(engine, args, config, sampling, cut: bool) -> dict:
         "calls": len(calls),
         "events": sum(calls),
         "seconds": seconds,
+        "decode_s": inside["decode"] if attribute else None,
+        "events_s": inside["events"] if attribute else None,
         "tokens": tokens,
     }
 
@@ -116,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     for cut in (False, True):
         r, sec = runs[cut][0], statistics.median(x["seconds"] for x in runs[cut])
         name = "chunks end at pauses (ChunkCosts)" if cut else "chunks run on"
-        rows.append([name, r["chunks"], r["steps"], r["partial"], r["calls"], r["events"], sec, base / sec])
+        parts = ["", "", ""]
+        if r["decode_s"] is not None:
+            decode, events = (statistics.median(x[k] for x in runs[cut]) for k in ("decode_s", "events_s"))
+            parts = [decode, events, sec - decode - events]
+        rows.append(
+            [name, r["chunks"], r["steps"], r["partial"], r["calls"], r["events"], sec, *parts, base / sec]
+        )
     print(f"{device_line()}; {args.sessions} sessions × {args.turns} turns, {args.repeats} run(s) per policy")
-    print_table(
-        ["policy", "chunks", "decode steps", "partial-batch steps", "event calls", "events", "s", "speed-up"],
-        rows,
-    )
+    headers = ["policy", "chunks", "decode steps", "partial-batch steps", "event calls", "events", "s"]
+    print_table(headers + ["in decode chunks s", "in event calls s", "rest s", "speed-up"], rows)
     # each row samples from its own stream and its events fire at the same tokens either way; the
     # batches' compositions differ, and in float32 / bf16 so may a later token (float64: equal)
     print(f"tokens equal in both policies: {same}")
