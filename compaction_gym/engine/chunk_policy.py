@@ -13,6 +13,7 @@ stacked call) depend on its inputs alone.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 
@@ -65,10 +66,8 @@ def plan(
             rounds += 1
             if points[i] + delay >= longest:
                 break  # everyone still waiting is served after the chunk
-            c = max(q for q in points if q <= points[i] + delay)
-            cuts.append(c)
-            while i < len(points) and points[i] <= c:
-                i += 1
+            i = bisect_right(points, points[i] + delay)  # the rows this round serves
+            cuts.append(points[i - 1])
         chunks = len(cuts) + 1 + (delay > 0)
         cost = delay + event_steps * rounds + restart_steps * chunks
         if cost < best[0]:
