@@ -19,8 +19,11 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   drops the barriers (each phase still waits for its input load), and ``stream, no barriers, no
   inputs`` also the loads: the ceiling of the streaming itself.
 
-Each row: µs per layer (median), the layer's bytes ÷ that time, and the ratio to the bytes' time at
-the device-to-device copy bandwidth measured in the same run; ``÷ barriers`` against the first row.
+Each synchronised design first runs once from the same inputs and its last phase is checked against
+float64 (the run stops if any is off). Each row: µs per layer (the best of ``--rounds`` medians of
+``--repeats`` launches, the designs alternating), the layer's bytes ÷ that time, and the ratio to the
+bytes' time at the device-to-device copy bandwidth measured in the same run; ``÷ barriers`` against
+the first row.
 
 Usage:
     python benchmarks/bench_layer_chain.py                 # all designs, ring of 6 slots
