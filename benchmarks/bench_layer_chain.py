@@ -61,6 +61,7 @@ NCH = sum(CHUNKS)
 
 
 if triton is not None:
+    from compaction_gym.engine.fast.persistent import _arrive, _wait
 
     @triton.jit
     def _tile(W, row0, N_ROWS: tl.constexpr, CSTRIDE):
@@ -93,12 +94,9 @@ if triton is not None:
     @triton.jit
     def _phase_barrier(W, X, OUT, BAR, layer, ph: tl.constexpr, j0: tl.constexpr, C: tl.constexpr, pid,
                        P: tl.constexpr, NCH: tl.constexpr):  # fmt: skip
-        tl.debug_barrier()
-        tl.atomic_add(BAR, 1, sem="release", scope="gpu")
+        _arrive(BAR)  # the persistent kernel's own barrier, the phase's tiles issued in between
         w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16)
-        while tl.atomic_add(BAR, 0, sem="acquire", scope="gpu") < (layer * 5 + ph + 1) * P:
-            pass
-        tl.debug_barrier()
+        _wait(BAR, (layer * 5 + ph + 1) * P)
         x = tl.load(X + tl.arange(0, 1024), cache_modifier=".cg")
         _dots_store(w, w2, x, OUT, pid, C)
 
