@@ -17,7 +17,9 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   shared-memory slots, as far ahead as the ring allows and through the barriers; eight consumer
   warps run the barrier, the input load and the dots from shared memory. ``stream, no barriers``
   drops the barriers (each phase still waits for its input load), and ``stream, no barriers, no
-  inputs`` also the loads: the ceiling of the streaming itself.
+  inputs`` also the loads: the ceiling of the streaming itself. ``stream, paced`` (rings of three
+  or more slots) lets the producer ask for a phase's chunks only once the consumer has arrived at
+  the phase's barrier, as the ``barriers`` design issues its tiles.
 
 Each synchronised design first runs once from the same inputs and its last phase is checked against
 float64 (the run stops if any is off). Each row: µs per layer (the best of ``--rounds`` medians of
@@ -158,22 +160,35 @@ if triton is not None:
 if gluon is not None:
 
     @gluon.jit
-    def _producer(desc, ring, ready, empty, L: gl.constexpr, P: gl.constexpr, NCH: gl.constexpr, NS: gl.constexpr,
-                  NB: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
-        """Stream every chunk of every layer, in the consumer's order, into the ring (TMA)."""
+    def _produce_phase(desc, ring, ready, empty, go, layer, i, ph: gl.constexpr, j0: gl.constexpr, C: gl.constexpr,
+                       P: gl.constexpr, NCH: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr,
+                       PACED: gl.constexpr):  # fmt: skip
+        """Stream phase ``ph``'s ``C`` chunks into the ring (with ``PACED``: once the consumer has arrived
+        at the phase's barrier)."""
         pid = gl.program_id(0)
+        if PACED:
+            mbarrier.wait(go.index(0), (layer * 5 + ph) & 1)
+        for c in gl.static_range(C):
+            s = i % NS
+            mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), NB * desc.block_type.nbytes)
+            row0 = ((layer * NCH + j0 + c) * P + pid) * 16
+            for b in gl.static_range(NB):
+                tma.async_copy_global_to_shared(desc, [row0, b * BOX], ready.index(s), ring.index(s * NB + b))
+            i += 1
+        return i
+
+    @gluon.jit
+    def _producer(desc, ring, ready, empty, go, L: gl.constexpr, P: gl.constexpr, NCH: gl.constexpr,
+                  NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, PACED: gl.constexpr):  # fmt: skip
+        """Stream every chunk of every layer, in the consumer's order, into the ring (TMA)."""
         i = 0
         for layer in range(L):
-            for j in range(NCH):
-                s = i % NS
-                mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), NB * desc.block_type.nbytes)
-                row0 = ((layer * NCH + j) * P + pid) * 16
-                for b in gl.static_range(NB):
-                    tma.async_copy_global_to_shared(
-                        desc, [row0, b * BOX], ready.index(s), ring.index(s * NB + b)
-                    )
-                i += 1
+            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 0, 0, 2, P, NCH, NS, NB, BOX, PACED)
+            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 1, 2, 1, P, NCH, NS, NB, BOX, PACED)
+            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 2, 3, 1, P, NCH, NS, NB, BOX, PACED)
+            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 3, 4, 3, P, NCH, NS, NB, BOX, PACED)
+            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 4, 7, 2, P, NCH, NS, NB, BOX, PACED)
 
     @gluon.jit
     def _chunk(ring, ready, empty, i, x0, x1, x2, x3, NS: gl.constexpr, NB: gl.constexpr, layout: gl.constexpr,
@@ -194,15 +209,18 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _stream_phase(ring, ready, empty, BUF, BAR, layer, i, ph: gl.constexpr, C: gl.constexpr, P: gl.constexpr,
-                      STRIDE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr,
-                      BARRIERS: gl.constexpr, INPUTS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    def _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, ph: gl.constexpr, C: gl.constexpr,
+                      P: gl.constexpr, STRIDE: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr,
+                      BARRIERS: gl.constexpr, INPUTS: gl.constexpr, PACED: gl.constexpr,
+                      layout: gl.constexpr):  # fmt: skip
         pid = gl.program_id(0)
         xl: gl.constexpr = gl.SliceLayout(0, layout)
         offs_b = gl.arange(0, BOX, layout=xl)
         if BARRIERS:
             gl.thread_barrier()
             gl.atomic_add(BAR, 1, sem="release", scope="gpu")
+            if PACED:  # the phase's weights are asked for only after the arrival
+                mbarrier.arrive(go.index(0), count=1)
             while gl.atomic_add(BAR, 0, sem="acquire", scope="gpu") < (layer * 5 + ph + 1) * P:
                 pass
             gl.thread_barrier()
@@ -227,42 +245,41 @@ if gluon is not None:
         return i
 
     @gluon.jit
-    def _consumer(ring, ready, empty, BUF, BAR, L: gl.constexpr, P: gl.constexpr, STRIDE: gl.constexpr,
+    def _consumer(ring, ready, empty, go, BUF, BAR, L: gl.constexpr, P: gl.constexpr, STRIDE: gl.constexpr,
                   NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, BARRIERS: gl.constexpr,
-                  INPUTS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+                  INPUTS: gl.constexpr, PACED: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         i = 0
+        # fmt: off
         for layer in range(L):
-            i = _stream_phase(
-                ring, ready, empty, BUF, BAR, layer, i, 0, 2, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout
-            )
-            i = _stream_phase(
-                ring, ready, empty, BUF, BAR, layer, i, 1, 1, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout
-            )
-            i = _stream_phase(
-                ring, ready, empty, BUF, BAR, layer, i, 2, 1, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout
-            )
-            i = _stream_phase(
-                ring, ready, empty, BUF, BAR, layer, i, 3, 3, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout
-            )
-            i = _stream_phase(
-                ring, ready, empty, BUF, BAR, layer, i, 4, 2, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout
-            )
+            i = _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, 0, 2, P, STRIDE, NS, NB, BOX, BARRIERS,
+                              INPUTS, PACED, layout)
+            i = _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, 1, 1, P, STRIDE, NS, NB, BOX, BARRIERS,
+                              INPUTS, PACED, layout)
+            i = _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, 2, 1, P, STRIDE, NS, NB, BOX, BARRIERS,
+                              INPUTS, PACED, layout)
+            i = _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, 3, 3, P, STRIDE, NS, NB, BOX, BARRIERS,
+                              INPUTS, PACED, layout)
+            i = _stream_phase(ring, ready, empty, go, BUF, BAR, layer, i, 4, 2, P, STRIDE, NS, NB, BOX, BARRIERS,
+                              INPUTS, PACED, layout)
+        # fmt: on
 
     @gluon.jit
     def stream_kernel(desc, BUF, BAR, L: gl.constexpr, P: gl.constexpr, NCH: gl.constexpr, STRIDE: gl.constexpr,
                       NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, BARRIERS: gl.constexpr,
-                      INPUTS: gl.constexpr):  # fmt: skip
+                      INPUTS: gl.constexpr, PACED: gl.constexpr):  # fmt: skip
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         ring = gl.allocate_shared_memory(gl.bfloat16, [NS * NB, 16, BOX], desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NS):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(go.index(0), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (ring, ready, empty, BUF, BAR, L, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, layout)),
-            (_producer, (desc, ring, ready, empty, L, P, NCH, NS, NB, BOX)),
+            (_consumer, (ring, ready, empty, go, BUF, BAR, L, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, PACED, layout)),
+            (_producer, (desc, ring, ready, empty, go, L, P, NCH, NS, NB, BOX, PACED)),
         ], [1], [48])  # fmt: skip
 
 
@@ -326,22 +343,28 @@ def main(argv: list[str] | None = None) -> int:
             W, [ROWS, BOX], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         )
         for ns in args.ring:
-            for name, barriers, inputs in (("", True, True), (", no barriers", False, True),
-                                           (", no barriers, no inputs", False, False)):  # fmt: skip
-                runs[f"stream, ring {ns}{name}"] = lambda ns=ns, b=barriers, i=inputs: stream_kernel[(P,)](
-                    desc,
-                    buf,
-                    bar,
-                    L=L,
-                    P=P,
-                    NCH=NCH,
-                    STRIDE=stride,
-                    NS=ns,
-                    NB=K // BOX,
-                    BOX=BOX,
-                    BARRIERS=b,
-                    INPUTS=i,
-                    num_warps=8,
+            variants = [("", True, True, False), (", no barriers", False, True, False),
+                        (", no barriers, no inputs", False, False, False)]  # fmt: skip
+            if ns >= max(CHUNKS):  # a paced phase's chunks all fit the ring
+                variants.insert(1, (", paced", True, True, True))
+            for name, barriers, inputs, paced in variants:
+                runs[f"stream, ring {ns}{name}"] = lambda ns=ns, b=barriers, i=inputs, pc=paced: (
+                    stream_kernel[(P,)](
+                        desc,
+                        buf,
+                        bar,
+                        L=L,
+                        P=P,
+                        NCH=NCH,
+                        STRIDE=stride,
+                        NS=ns,
+                        NB=K // BOX,
+                        BOX=BOX,
+                        BARRIERS=b,
+                        INPUTS=i,
+                        PACED=pc,
+                        num_warps=8,
+                    )
                 )
     else:
         print(
