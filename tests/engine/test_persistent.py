@@ -17,7 +17,9 @@ from compaction_gym.engine.config import SamplingParams
 from compaction_gym.engine.fast import FastModelRunner
 from compaction_gym.engine.fast.attention import decode_attention, num_splits_for
 from compaction_gym.engine.fast.persistent import persistent_supported
-from compaction_gym.engine.model_runner import ModelLayout, RowFeed
+from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed
+from compaction_gym.engine.sampler import SampleStream
+from compaction_gym.engine.session import ProbeRing
 from compaction_gym.engine.slot_cache import SlotKVCache
 
 pytestmark = pytest.mark.gpu
@@ -258,3 +260,40 @@ def test_generate_turns_on_and_off(tiny_model_path, monkeypatch):
     logits = ref.forward([RowFeed(0, prompt + first + toks[0][:-1], 0)])
     last_lp = torch.log_softmax(logits.float(), -1)[0, toks[0][-1]].item()
     assert abs(last_lp - lps[0][-1]) < 0.1
+
+
+def test_decode_chunk_records_queries_only_where_read(tiny_model_path):
+    """A persistent chunk at temperature 1.5 with β on records each fed token's rotated queries
+    (against the layered path's prefill of the same tokens); a row without a recorder, whose launch
+    stores no queries, samples the same tokens with the same log-probs to the last bit."""
+    model = _load(tiny_model_path, torch.bfloat16)
+    layout = ModelLayout.from_model(model)
+    prompt = list(range(30, 90))
+    out = {}
+    for name in ("recorded", "plain"):
+        runner = _fast_runner(model, torch.bfloat16)
+        runner.decoder.use_persistent = True
+        runner.cache.beta[0, :, :, :40] = torch.linspace(-2, 1, 40, device=CUDA)
+        runner.cache.has_beta[0] = True
+        first = runner.forward([RowFeed(0, prompt, 0)]).argmax(-1).item()
+        ring = ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 8, torch.float32, CUDA)
+        row = DecodeRow(0, first, len(prompt), 12, SamplingParams(temperature=1.5), SampleStream(3))
+        if name == "recorded":
+            row.recorder = ring
+        ((toks, lps),) = runner.decode_chunk([row], 12)
+        assert (1, "sample", name == "recorded", True) in runner._graphs  # the persistent graph ran
+        out[name] = (first, toks, lps, ring)
+    assert out["plain"][:3] == out["recorded"][:3]
+    first, toks, _, ring = out["recorded"]
+    fed = [first, *toks[:-1]]
+    q_persistent, span = ring.select(0)
+    assert span == (len(prompt) + len(fed) - 8, len(prompt) + len(fed))
+    ref = _fast_runner(model, torch.bfloat16)
+    ref.decoder.use_persistent = False
+    ref.cache.beta[0, :, :, :40] = torch.linspace(-2, 1, 40, device=CUDA)
+    ref.cache.has_beta[0] = True
+    ref_ring = ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 8, torch.float32, CUDA)
+    ref.forward([RowFeed(0, prompt + fed, 0, recorder=ref_ring)])
+    q_ref, ref_span = ref_ring.select(0)
+    assert ref_span == span
+    assert _rel(q_persistent, q_ref) < 0.05

@@ -97,11 +97,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile(W, row0, n_rows, c: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr):
-        """Rows ``[row0, row0 + n_rows)`` (at most ``BLOCK_R``) × columns of chunk ``c`` of a row-major ``[·, K]`` matrix."""
+        """Rows ``[row0, row0 + n_rows)`` (at most ``BLOCK_R``) × columns of chunk ``c`` of a row-major ``[·, K]`` matrix.
+
+        Read once a step, so evicted first: the activations, partials and barrier other programs
+        read next stay in L2 (docs/fast-path.md, "One launch per step")."""
         rows = row0 + tl.arange(0, BLOCK_R)
         cols = c * KC + tl.arange(0, KC)
         mask = (tl.arange(0, BLOCK_R) < n_rows)[:, None] & (cols < K)[None, :]
-        return tl.load(W + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        ptrs = W + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
 
     @triton.jit
     def _normed_chunk(X, NW, rstd, c: tl.constexpr, K: tl.constexpr, KC: tl.constexpr, NORM: tl.constexpr):
@@ -180,13 +184,16 @@ if HAS_TRITON:
     def _kv_block(
         k_base, v_base, b_base, s0, end, stride_kr, stride_vr, D: tl.constexpr, BLOCK_N: tl.constexpr
     ):
-        """Cached keys ``[D, BLOCK_N]``, β and values ``[BLOCK_N, D]`` of rows ``[s0, min(s0 + BLOCK_N, end))``."""
+        """Cached keys ``[D, BLOCK_N]``, β and values ``[BLOCK_N, D]`` of rows ``[s0, min(s0 + BLOCK_N, end))``
+        (read once a step: evicted first, as :func:`_tile`)."""
         rows = s0 + tl.arange(0, BLOCK_N)
         rmask = rows < end
         offs_d = tl.arange(0, D)
-        k = tl.load(k_base + rows[None, :] * stride_kr + offs_d[:, None], mask=rmask[None, :], other=0.0)
-        beta = tl.load(b_base + rows, mask=rmask, other=0.0)
-        v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        k_ptrs = k_base + rows[None, :] * stride_kr + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=rmask[None, :], other=0.0, eviction_policy="evict_first")
+        beta = tl.load(b_base + rows, mask=rmask, other=0.0, eviction_policy="evict_first")
+        v_ptrs = v_base + rows[:, None] * stride_vr + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=rmask[:, None], other=0.0, eviction_policy="evict_first")
         return k, beta, v
 
     @triton.jit

@@ -213,7 +213,10 @@ class FastModelRunner:
             return decode_attention(q, *kv, slots, lens, dec.scale, splits, fused_merge=fused)
 
         if persistent:
-            logits = dec.run_persistent(ids, pos, slots, rows, lens, c.k, c.v, c.beta, q_out=self._q_rec[:, :1])
+            # the queries are read after the step only when recorded or pushed to recorders ("logits"
+            # steps); otherwise the launch skips storing them (~0.5 µs a layer: docs/fast-path.md)
+            q_out = self._q_rec[:, :1] if record or kind == "logits" else None
+            logits = dec.run_persistent(ids, pos, slots, rows, lens, c.k, c.v, c.beta, q_out=q_out)
         elif self._q_rec.dtype == dec.dtype:  # the RoPE kernel writes the queries into the recording buffer
             logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, q_out=self._q_rec[:, :batch])
         else:
