@@ -8,7 +8,10 @@ weights (chunks of 16 rows × 1,024 bf16 = 32 KB: 2, 1, 1, 3 and 2 chunks a phas
 layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Designs:
 
 * ``barriers``: today's persistent-kernel pattern (Triton): per phase a grid-wide barrier; the
-  phase's weight tiles are issued into registers between arriving and waiting.
+  phase's weight tiles are issued into registers between arriving and waiting, loaded evict-first.
+  ``barriers, weights not evict-first``: the same with normal-priority loads (the kernel before
+  session 33). ``flags`` loads its weights evict-first too; the TMA copies of ``stream`` take no
+  cache hint in Gluon.
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
   current — one L2 round trip per phase instead of a barrier and a load.
@@ -66,20 +69,24 @@ if triton is not None:
     from compaction_gym.engine.fast.persistent import _arrive, _wait
 
     @triton.jit
-    def _tile(W, row0, N_ROWS: tl.constexpr, CSTRIDE):
-        """``N_ROWS // 16`` of this program's chunks (``CSTRIDE`` rows apart in ``W``), ``[N_ROWS, 1024]``."""
+    def _tile(W, row0, N_ROWS: tl.constexpr, CSTRIDE, EF: tl.constexpr):
+        """``N_ROWS // 16`` of this program's chunks (``CSTRIDE`` rows apart in ``W``), ``[N_ROWS, 1024]``
+        (with ``EF`` loaded evict-first, as the persistent kernel loads its weights)."""
         i = tl.arange(0, N_ROWS)
         r = row0 + (i // 16) * CSTRIDE + i % 16
-        return tl.load(W + r.to(tl.int64)[:, None] * 1024 + tl.arange(0, 1024)[None, :])
+        ptrs = W + r.to(tl.int64)[:, None] * 1024 + tl.arange(0, 1024)[None, :]
+        if EF:
+            return tl.load(ptrs, eviction_policy="evict_first")
+        return tl.load(ptrs)
 
     @triton.jit
-    def _tiles(W, row0, C: tl.constexpr, CSTRIDE):
+    def _tiles(W, row0, C: tl.constexpr, CSTRIDE, EF: tl.constexpr):
         """A phase's ``C`` chunks as one power-of-two tile and, for three, a second one."""
         if C == 3:
-            w = _tile(W, row0, 32, CSTRIDE)
-            w2 = _tile(W, row0 + 2 * CSTRIDE, 16, CSTRIDE)
+            w = _tile(W, row0, 32, CSTRIDE, EF)
+            w2 = _tile(W, row0 + 2 * CSTRIDE, 16, CSTRIDE, EF)
         else:
-            w = _tile(W, row0, 16 * C, CSTRIDE)
+            w = _tile(W, row0, 16 * C, CSTRIDE, EF)
             w2 = w
         return w, w2
 
@@ -95,24 +102,24 @@ if triton is not None:
 
     @triton.jit
     def _phase_barrier(W, X, OUT, BAR, layer, ph: tl.constexpr, j0: tl.constexpr, C: tl.constexpr, pid,
-                       P: tl.constexpr, NCH: tl.constexpr):  # fmt: skip
+                       P: tl.constexpr, NCH: tl.constexpr, EF: tl.constexpr):  # fmt: skip
         _arrive(BAR)  # the persistent kernel's own barrier, the phase's tiles issued in between
-        w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16)
+        w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16, EF)
         _wait(BAR, (layer * 5 + ph + 1) * P)
         x = tl.load(X + tl.arange(0, 1024), cache_modifier=".cg")
         _dots_store(w, w2, x, OUT, pid, C)
 
     @triton.jit
     def barriers_kernel(
-        W, BUF, BAR, L: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, STRIDE: tl.constexpr
+        W, BUF, BAR, L: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, STRIDE: tl.constexpr, EF: tl.constexpr
     ):
         pid = tl.program_id(0)
         for layer in range(L):
-            _phase_barrier(W, BUF + 4 * STRIDE, BUF + 0 * STRIDE, BAR, layer, 0, 0, 2, pid, P, NCH)
-            _phase_barrier(W, BUF + 0 * STRIDE, BUF + 1 * STRIDE, BAR, layer, 1, 2, 1, pid, P, NCH)
-            _phase_barrier(W, BUF + 1 * STRIDE, BUF + 2 * STRIDE, BAR, layer, 2, 3, 1, pid, P, NCH)
-            _phase_barrier(W, BUF + 2 * STRIDE, BUF + 3 * STRIDE, BAR, layer, 3, 4, 3, pid, P, NCH)
-            _phase_barrier(W, BUF + 3 * STRIDE, BUF + 4 * STRIDE, BAR, layer, 4, 7, 2, pid, P, NCH)
+            _phase_barrier(W, BUF + 4 * STRIDE, BUF + 0 * STRIDE, BAR, layer, 0, 0, 2, pid, P, NCH, EF)
+            _phase_barrier(W, BUF + 0 * STRIDE, BUF + 1 * STRIDE, BAR, layer, 1, 2, 1, pid, P, NCH, EF)
+            _phase_barrier(W, BUF + 1 * STRIDE, BUF + 2 * STRIDE, BAR, layer, 2, 3, 1, pid, P, NCH, EF)
+            _phase_barrier(W, BUF + 2 * STRIDE, BUF + 3 * STRIDE, BAR, layer, 3, 4, 3, pid, P, NCH, EF)
+            _phase_barrier(W, BUF + 3 * STRIDE, BUF + 4 * STRIDE, BAR, layer, 4, 7, 2, pid, P, NCH, EF)
 
     @triton.jit
     def _poll(X, tag):
@@ -131,7 +138,7 @@ if triton is not None:
     def _phase_flags(W, X, XN, OUT, layer, seq, ph: tl.constexpr, j0: tl.constexpr, C: tl.constexpr, pid,
                      P: tl.constexpr, NCH: tl.constexpr):  # fmt: skip
         tag = seq * 256 + layer * 5 + ph
-        w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16)
+        w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16, True)
         if (layer > 0) | (ph > 0):  # noqa: SIM108 - a runtime branch in a Triton kernel
             x = _poll(X, tag)
         else:
@@ -334,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, num_warps=8, num_stages=1)
 
     runs = {
-        "barriers": lambda: barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, num_warps=8,
-                                                  num_stages=1),
+        "barriers": lambda: barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, EF=True,
+                                                  num_warps=8, num_stages=1),
+        "barriers, weights not evict-first": lambda: barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH,
+                                                                           STRIDE=stride, EF=False, num_warps=8,
+                                                                           num_stages=1),
         "flags": flags,
     }  # fmt: skip
     if gluon is not None and torch.cuda.get_device_capability(dev)[0] >= 9:

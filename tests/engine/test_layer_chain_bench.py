@@ -25,5 +25,6 @@ def test_designs_match_float64(monkeypatch, capsys):
     assert "barriers" in out and "flags" in out
     errors = out.split("relative to its largest value: ")[1].splitlines()[0]
     assert all(float(part.rsplit(" ", 1)[1]) < 1e-3 for part in errors.split("; "))
+    assert "barriers, weights not evict-first" in errors
     if "stream" in errors:  # Gluon here: the paced stream is checked too
         assert "stream, ring 3, paced" in errors
