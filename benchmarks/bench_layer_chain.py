@@ -1,7 +1,7 @@
 """What a batch-1 decode layer's dependency chain costs, on a synthetic layer (GPU, one run).
 
 Issue 28's target 4 asks for a 0.6B batch-1 step within 1.6× the HBM floor; the persistent kernel
-(``engine/fast/persistent.py``) spends ~2.4× the layers' bytes. This benchmark isolates the cause
+(``engine/fast/persistent.py``) spends ~2.25× the layers' bytes. This benchmark isolates the cause
 from the model: **L** layers of five phases, one program per multiprocessor, each phase reading
 its input vector (written by every program in the phase before, so from L2) and its own rows of
 weights (chunks of 16 rows × 1,024 bf16 = 32 KB: 2, 1, 1, 3 and 2 chunks a phase, 38.9 MB a
@@ -10,15 +10,15 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
 * ``barriers``: today's persistent-kernel pattern (Triton): per phase a grid-wide barrier; the
   phase's weight tiles are issued into registers between arriving and waiting, loaded evict-first.
   ``barriers, weights not evict-first``: the same with normal-priority loads (the kernel before
-  session 33). ``flags`` loads its weights evict-first too; the TMA copies of ``stream`` take no
-  cache hint in Gluon.
+  session 33).
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
-  current — one L2 round trip per phase instead of a barrier and a load.
+  current — one L2 round trip per phase instead of a barrier and a load. Weights evict-first.
 * ``stream`` (Gluon, warp-specialized; needs Hopper and ``triton.experimental.gluon``): one
   producer warp streams every weight chunk of every layer by TMA into a ring of ``--ring``
-  shared-memory slots, as far ahead as the ring allows and through the barriers; eight consumer
-  warps run the barrier, the input load and the dots from shared memory. ``stream, no barriers``
+  shared-memory slots (Gluon's TMA copies take no cache hint), as far ahead as the ring allows and
+  through the barriers; eight consumer warps run the barrier, the input load and the dots from
+  shared memory. ``stream, no barriers``
   drops the barriers (each phase still waits for its input load), and ``stream, no barriers, no
   inputs`` also the loads: the ceiling of the streaming itself. ``stream, paced`` lets the
   producer ask for a phase's chunks only once the consumer has arrived at the phase's barrier, as
@@ -340,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         seq[0] += 1  # a fresh tag space per launch: no buffer reset needed
         flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, num_warps=8, num_stages=1)
 
+    def run_barriers(evict_first: bool) -> None:
+        barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, EF=evict_first, num_warps=8,
+                              num_stages=1)  # fmt: skip
+
     runs = {
-        "barriers": lambda: barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, EF=True,
-                                                  num_warps=8, num_stages=1),
-        "barriers, weights not evict-first": lambda: barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH,
-                                                                           STRIDE=stride, EF=False, num_warps=8,
-                                                                           num_stages=1),
+        "barriers": lambda: run_barriers(True),
+        "barriers, weights not evict-first": lambda: run_barriers(False),
         "flags": flags,
-    }  # fmt: skip
+    }
     if gluon is not None and torch.cuda.get_device_capability(dev)[0] >= 9:
         desc = TensorDescriptor.from_tensor(
             W, [ROWS, BOX], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)

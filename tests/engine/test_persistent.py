@@ -269,31 +269,33 @@ def test_decode_chunk_records_queries_only_where_read(tiny_model_path):
     model = _load(tiny_model_path, torch.bfloat16)
     layout = ModelLayout.from_model(model)
     prompt = list(range(30, 90))
-    out = {}
-    for name in ("recorded", "plain"):
+
+    def runner_with_beta(persistent: bool) -> FastModelRunner:
         runner = _fast_runner(model, torch.bfloat16)
-        runner.decoder.use_persistent = True
+        runner.decoder.use_persistent = persistent
         runner.cache.beta[0, :, :, :40] = torch.linspace(-2, 1, 40, device=CUDA)
         runner.cache.has_beta[0] = True
+        return runner
+
+    def ring() -> ProbeRing:
+        return ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 8, torch.float32, CUDA)
+
+    out = {}
+    for recorded in (True, False):
+        runner = runner_with_beta(True)
         first = runner.forward([RowFeed(0, prompt, 0)]).argmax(-1).item()
-        ring = ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 8, torch.float32, CUDA)
-        row = DecodeRow(0, first, len(prompt), 12, SamplingParams(temperature=1.5), SampleStream(3))
-        if name == "recorded":
-            row.recorder = ring
+        recorder = ring() if recorded else None
+        row = DecodeRow(0, first, len(prompt), 12, SamplingParams(temperature=1.5), SampleStream(3), (), recorder)
         ((toks, lps),) = runner.decode_chunk([row], 12)
-        assert (1, "sample", name == "recorded", True) in runner._graphs  # the persistent graph ran
-        out[name] = (first, toks, lps, ring)
-    assert out["plain"][:3] == out["recorded"][:3]
-    first, toks, _, ring = out["recorded"]
+        assert (1, "sample", recorded, True) in runner._graphs  # the persistent graph ran
+        out[recorded] = (first, toks, lps, recorder)
+    assert out[False][:3] == out[True][:3]
+    first, toks, _, recorder = out[True]
     fed = [first, *toks[:-1]]
-    q_persistent, span = ring.select(0)
+    q_persistent, span = recorder.select(0)
     assert span == (len(prompt) + len(fed) - 8, len(prompt) + len(fed))
-    ref = _fast_runner(model, torch.bfloat16)
-    ref.decoder.use_persistent = False
-    ref.cache.beta[0, :, :, :40] = torch.linspace(-2, 1, 40, device=CUDA)
-    ref.cache.has_beta[0] = True
-    ref_ring = ProbeRing(layout.n_layers, layout.n_q_heads, layout.head_dim, 8, torch.float32, CUDA)
-    ref.forward([RowFeed(0, prompt + fed, 0, recorder=ref_ring)])
+    ref_ring = ring()
+    runner_with_beta(False).forward([RowFeed(0, prompt + fed, 0, recorder=ref_ring)])
     q_ref, ref_span = ref_ring.select(0)
     assert ref_span == span
     assert _rel(q_persistent, q_ref) < 0.05
