@@ -1,12 +1,14 @@
 """Fast-path decode tokens/s vs the HBM floor and vs Hugging Face ``generate`` (GPU, one run).
 
-For each model shape (real Qwen3-0.6B / Qwen3-4B configs, random bf16 weights), KV length and
+For each model shape (real Qwen3-0.6B / Qwen3-4B configs by default; Qwen3-1.7B and Llama-3.2-1B,
+the "No Bubbles" megakernel's model, on request; random bf16 weights), KV length and
 batch size: the slots are filled with random K/V of that length, then
 :meth:`FastModelRunner.generate` decodes ``--steps`` greedy tokens per row (CUDA-graph replays,
 device sampling, one host check per 32 steps); the time is the median of ``--repeats`` runs.
 
 * **floor** = (weight bytes + K/V/β bytes read per step) ÷ device-to-device copy bandwidth
-  measured in the same run (bytes read + written); ``× floor`` = measured step time ÷ floor.
+  measured in the same run (bytes read + written); ``× floor`` = measured step time ÷ floor;
+  **TB/s read** = those bytes ÷ the step time (to set against a nominal HBM bandwidth).
 * **HF generate**: the same model with SDPA attention and its default dynamic cache, greedy,
   ``min_new_tokens = max_new_tokens``; decode time = generate(N + 1) − generate(1) on the same
   prompt, so prefill is excluded from both sides.
@@ -47,12 +49,20 @@ import sys
 from collections.abc import Callable
 
 import torch
-from gpu_shapes import QWEN3_SHAPES, copy_bandwidth, device_line, print_table, random_model, wall_time
+from gpu_shapes import (
+    DEFAULT_SHAPES,
+    copy_bandwidth,
+    device_line,
+    print_table,
+    random_model,
+    shape_names,
+    wall_time,
+)
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=list(QWEN3_SHAPES), choices=list(QWEN3_SHAPES))
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_SHAPES), choices=shape_names())
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--steps", type=int, default=128, help="decode steps per timed run")
@@ -234,7 +244,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         batches = [b for b in args.batches if b <= fits]
         for b in args.batches:
             if b > fits:
-                rows.append([name, b, kv, "does not fit", "", "", "", "", "", "", "", "", "", "", ""])
+                rows.append([name, b, kv, "does not fit", *[""] * 12])
         if not batches:
             continue
         cache = SlotKVCache(
@@ -276,7 +286,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             hf_tps = hf.get((b, kv))
             tps = b / step
             rows.append([
-                name, b, kv, tps, step * 1e3, floor * 1e3, step / floor,
+                name, b, kv, tps, step * 1e3, floor * 1e3, step / floor, (weight_bytes + kv_read) / step / 1e12,
                 hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
                 forced.get(False, ""), forced.get(True, ""), ("one launch" if pick else "layered") if b == 1 else "", setup,
             ])  # fmt: skip
@@ -311,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_model(name, args, bandwidth)
     print()
     headers = [
-        "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "HF tok/s", "fast / HF",
+        "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "TB/s read", "HF tok/s", "fast / HF",
         "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step", "layered ms/step", "one launch ms/step",
         "batch 1 ran", "first run +s",
     ]  # fmt: skip

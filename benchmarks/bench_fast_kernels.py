@@ -33,7 +33,7 @@ import statistics
 import sys
 
 import torch
-from gpu_shapes import QWEN3_SHAPES, device_line, print_table, wall_time
+from gpu_shapes import DEFAULT_SHAPES, QWEN3_SHAPES, device_line, print_table, wall_time
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", action="store_true", help="instead: sweep decode-attention launches")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="with --attention")
     p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192], help="with --attention")
-    p.add_argument("--models", nargs="+", default=list(QWEN3_SHAPES), choices=list(QWEN3_SHAPES), help="with --attention")
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_SHAPES), choices=list(QWEN3_SHAPES), help="with --attention")
     return p
 
 
@@ -113,9 +113,10 @@ def gemv_case(name: str, case: str, n: int, k: int, args) -> list[list[object]]:
 
 
 def projection_shapes() -> dict[str, tuple[int, int]]:
-    """``"model/projection"`` → ``(N, K)`` of every decode projection of :data:`QWEN3_SHAPES`."""
+    """``"model/projection"`` → ``(N, K)`` of every decode projection of the :data:`DEFAULT_SHAPES`."""
     shapes = {}
-    for name, sh in QWEN3_SHAPES.items():
+    for name in DEFAULT_SHAPES:
+        sh = QWEN3_SHAPES[name]
         h, inter, d = sh["hidden_size"], sh["intermediate_size"], sh["head_dim"]
         shapes[f"{name}/qkv"] = ((sh["num_attention_heads"] + 2 * sh["num_key_value_heads"]) * d, h)
         shapes[f"{name}/o"] = (h, sh["num_attention_heads"] * d)

@@ -1,7 +1,9 @@
-"""Shared pieces of the GPU benchmarks: real Qwen3 shapes, random models, bandwidth, tables.
+"""Shared pieces of the GPU benchmarks: real model shapes, random models, bandwidth, tables.
 
-The shapes are the public ``config.json`` values of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B (both tie
-the input embedding and the LM head). Weights are random: speed does not depend on them.
+The shapes are the public ``config.json`` values of Qwen/Qwen3-0.6B, -1.7B and -4B and of
+meta-llama/Llama-3.2-1B (the model of the "No Bubbles" megakernel, the field's batch-1 anchor:
+docs/fast-path.md); all four tie the input embedding and the LM head. Weights are random: speed
+does not depend on them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ QWEN3_SHAPES: dict[str, dict] = {
         intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ),
     "qwen3-4b": dict(
         hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
@@ -29,20 +36,47 @@ QWEN3_SHAPES: dict[str, dict] = {
     ),
 }  # fmt: skip
 
+#: Public config.json values of Llama-family shapes (built as ``LlamaForCausalLM``).
+LLAMA_SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+        rope_theta=500_000.0, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+}  # fmt: skip
+
+#: The shapes the benchmarks run unless told otherwise.
+DEFAULT_SHAPES = ("qwen3-0.6b", "qwen3-4b")
+
+
+def shape_names() -> list[str]:
+    """Every shape :func:`random_model` builds."""
+    return [*QWEN3_SHAPES, *LLAMA_SHAPES]
+
+
+def shape_config(name: str) -> dict:
+    """Shape ``name``'s config values (:data:`QWEN3_SHAPES` or :data:`LLAMA_SHAPES`)."""
+    return LLAMA_SHAPES[name] if name in LLAMA_SHAPES else QWEN3_SHAPES[name]
+
 
 def random_model(
     name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides: object
 ):
-    """A random-weight ``Qwen3ForCausalLM`` of a :data:`QWEN3_SHAPES` shape, built on ``device``;
-    ``overrides`` replace config values (a CPU run's narrow widths)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A random-weight model of shape ``name`` (``Qwen3ForCausalLM``, or ``LlamaForCausalLM`` for a
+    :data:`LLAMA_SHAPES` name), built on ``device``; ``overrides`` replace config values (a CPU
+    run's narrow widths)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from compaction_gym.engine.attention import register_attention
 
-    config = Qwen3Config(**{**QWEN3_SHAPES[name], **overrides}, attn_implementation="sdpa")
+    llama = name in LLAMA_SHAPES
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(**{**shape_config(name), **overrides}, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+        model = model_cls._from_config(config, dtype=dtype)
     register_attention()
     return model.eval()
 
@@ -65,7 +99,7 @@ def save_random_model(
     path = Path(path)
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         config = AutoConfig.from_pretrained(path)
-        shape = {k: v for k, v in QWEN3_SHAPES[name].items() if isinstance(v, int)}
+        shape = {k: v for k, v in shape_config(name).items() if isinstance(v, int)}
         if all(getattr(config, k, None) == v for k, v in shape.items()):
             return path
     path.mkdir(parents=True, exist_ok=True)

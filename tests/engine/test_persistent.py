@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compaction_gym.engine.config import SamplingParams
-from compaction_gym.engine.fast import FastModelRunner
+from compaction_gym.engine.fast import FastModelRunner, persistent
 from compaction_gym.engine.fast.attention import decode_attention, num_splits_for
 from compaction_gym.engine.fast.persistent import persistent_supported
 from compaction_gym.engine.model_runner import DecodeRow, ModelLayout, RowFeed
@@ -57,9 +57,17 @@ def test_supported_where_expected(tiny_model_path):
     )
 
 
-def test_bf16_decode_as_close_to_fp32_as_layered(tiny_model_path):
+@pytest.mark.parametrize("tile", [None, 64], ids=["default-tiles", "pipelined-chunks"])
+def test_bf16_decode_as_close_to_fp32_as_layered(tiny_model_path, tile, monkeypatch, tmp_path):
     """One row with β decoding 40 CUDA-graph steps, teacher-forced on float32's greedy tokens: the
-    persistent kernel's log-probs are as close to float32 as the layered path's."""
+    persistent kernel's log-probs are as close to float32 as the layered path's. With 64-element
+    tiles (on a model twice as wide) every projection takes more than two chunks, so the
+    shared-memory pipeline that 1B-class widths use streams them all."""
+    if tile is not None:
+        from compaction_gym.models.tiny import make_tiny_model
+
+        monkeypatch.setattr(persistent, "TILE_ELEMENTS", tile)
+        tiny_model_path = make_tiny_model(tmp_path / "wide", hidden=256)
     ref = _fast_runner(_load(tiny_model_path, torch.float32), torch.float32)
     bf16 = _load(tiny_model_path, torch.bfloat16)
     runners = {
@@ -83,7 +91,12 @@ def test_bf16_decode_as_close_to_fp32_as_layered(tiny_model_path):
         for name in err:
             err[name].append((out[name] - out["ref"]).abs().max().item())
             agree[name] += int(out[name].argmax(-1).item() == out["ref"].argmax(-1).item())
-    assert runners["persistent"].decoder._plan is not None  # the persistent launch ran
+    plan = runners["persistent"].decoder._plan
+    assert plan is not None  # the persistent launch ran
+    if tile is not None:
+        m = plan.meta
+        chunks = (m["H"] // m["KC_QKV"], m["NQ"] * m["D"] // m["KC_O"], m["H"] // m["KC_I"], m["FF"] // m["KC_DOWN"])
+        assert min(chunks) > 2
     assert runners["layered"].decoder._plan is None
     assert max(err["persistent"]) < 1.5 * max(err["layered"]) + 0.02
     assert agree["persistent"] >= agree["layered"] - 2
@@ -209,6 +222,55 @@ def test_qwen2_with_qkv_bias_and_no_qk_norm():
         out = _step_both(runner, n, token=3)
         assert _rel(out["persistent"][0], out["layered"][0]) < 0.05
         assert _rel(out["persistent"][1], out["layered"][1]) < 0.05
+
+
+#: Llama layouts: Llama-3.2's (llama3 RoPE scaling, four query heads per KV head) and SmolLM2-135M's
+#: (three query heads per KV head, a width that is no power of two), both with tied embeddings.
+LLAMA_LAYOUTS = {
+    "llama-3.2": dict(
+        vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_theta=500_000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                high_freq_factor=4.0, original_max_position_embeddings=256),
+    ),
+    "smollm2-135m": dict(
+        vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_theta=100_000.0, rms_norm_eps=1e-5,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
+def test_llama_layouts(layout):
+    """Llama layouts as shipped (no per-head norm, no bias), at positions past Llama-3.2's original
+    RoPE context: one step matches the layered path, and layer 0's new key matches HF's own
+    projection and rotation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    config = LlamaConfig(**LLAMA_LAYOUTS[layout])
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    runner = _fast_runner(model, torch.bfloat16, capacity=600)
+    runner.cache.k.normal_()
+    runner.cache.v.normal_()
+    runner.cache.beta.normal_()
+    assert runner.decoder.layers[0].qkv_bias is None and runner.decoder.layers[0].q_norm is None
+    assert runner.decoder.persistent_ready()
+    layer0, n_kv = model.model.layers[0], config.num_key_value_heads
+    for n in (0, 300, 599):
+        out = _step_both(runner, n, token=3)
+        for i in range(4):  # logits, K row, V row, queries
+            assert _rel(out["persistent"][i], out["layered"][i]) < 0.05
+        with torch.no_grad():
+            x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor([[3]], device=CUDA)))
+            k = layer0.self_attn.k_proj(x).view(1, 1, n_kv, 64).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(x, torch.tensor([[n]], device=CUDA))
+            k_ref = apply_rotary_pos_emb(k, k, cos, sin)[1][0, :, 0]
+        k_got = out["persistent"][1][0]
+        assert (k_got - k_ref).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * k_ref.abs().max()
 
 
 def test_generate_turns_on_and_off(tiny_model_path, monkeypatch):

@@ -90,6 +90,25 @@ def test_saved_random_shape_loads_as_the_server_loads_it(monkeypatch, tmp_path):
     assert isinstance(r.text, str)
 
 
+def test_llama_shape_is_a_llama_the_fast_path_runs(monkeypatch):
+    """``llama-3.2-1b`` builds a ``LlamaForCausalLM`` with the published config (llama3 RoPE
+    scaling, tied embeddings) that the fast decoder accepts; narrowed here to fit a CPU test."""
+    from compaction_gym.engine.fast.model import unsupported_reason
+
+    shapes = _load("gpu_shapes", monkeypatch)
+    assert "llama-3.2-1b" in shapes.shape_names() and "qwen3-1.7b" in shapes.shape_names()
+    assert set(shapes.DEFAULT_SHAPES) == {"qwen3-0.6b", "qwen3-4b"}
+    narrow = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=256)  # fmt: skip
+    model = shapes.random_model("llama-3.2-1b", device="cpu", dtype=torch.float32, **narrow)
+    assert type(model).__name__ == "LlamaForCausalLM" and unsupported_reason(model) is None
+    cfg = model.config
+    rope = cfg.rope_scaling  # transformers 5 keeps rope_theta among the RoPE parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0 and cfg.tie_word_embeddings
+    assert (rope["rope_theta"], cfg.rms_norm_eps) == (500_000.0, 1e-5)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
 def test_bench_runs_the_same_workload_through_the_server_and_the_engine(monkeypatch, tmp_path):
     """The tiny model end to end: two client processes, sampled at temperature 1; every session's
     tokens equal the embedded engine's (same inputs, settings and seeds), and the counts add up."""

@@ -22,9 +22,10 @@ launch; the final norm, ``lm_head`` and sampling run after it, as on the layered
 
 The barrier needs every program resident at once: the grid is one program per multiprocessor,
 so a kernel that launches at all (one program fits an SM) has all of them running once other
-work on the device drains. Where it pays (small models, short rows; it loses at Qwen3-4B and on
-long rows) is measured, not assumed: the runner times it against the layered kernels and routes
-batch-1 steps by their row's length (docs/fast-path.md, "One launch per step").
+work on the device drains. Where it pays (small models up to Llama-3.2-1B's width, short rows;
+it loses at Qwen3-1.7B and 4B and on long rows) is measured, not assumed: the runner times it
+against the layered kernels and routes batch-1 steps by their row's length (docs/fast-path.md,
+"One launch per step").
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ NUM_WARPS = 8
 TILE_ELEMENTS = 32768
 #: keys per attention block
 BLOCK_KEYS = 64
+#: shared-memory stages of a phase whose rows take more than two weight chunks (1B-class widths)
+PIPELINE_STAGES = 3
 #: a layer's row of the offset table (``_weight`` indexes it by position: ten per layer)
 _FIELDS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up", "down")
 
@@ -50,6 +53,8 @@ if HAS_TRITON:
 
     from compaction_gym.engine.fast.attention import attend_block
     from compaction_gym.engine.fast.kernels import pdl_prologue
+
+    _STAGES = tl.constexpr(PIPELINE_STAGES)
 
     @triton.jit
     def _arrive(BAR):
@@ -96,7 +101,7 @@ if HAS_TRITON:
         return WBASE + tl.multiple_of(tl.load(OFFS + layer * 10 + field), 16)
 
     @triton.jit
-    def _tile(W, row0, n_rows, c: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr):
+    def _tile(W, row0, n_rows, c, K: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr):
         """Rows ``[row0, row0 + n_rows)`` (at most ``BLOCK_R``) × columns of chunk ``c`` of a row-major ``[·, K]`` matrix.
 
         Read once a step, so evicted first: what the layer's chain reads again keeps its place in
@@ -108,7 +113,7 @@ if HAS_TRITON:
         return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
 
     @triton.jit
-    def _normed_chunk(X, NW, rstd, c: tl.constexpr, K: tl.constexpr, KC: tl.constexpr, NORM: tl.constexpr):
+    def _normed_chunk(X, NW, rstd, c, K: tl.constexpr, KC: tl.constexpr, NORM: tl.constexpr):
         """Chunk ``c`` of the input vector (written by other programs: read from L2), RMS-normalised
         with ``NW`` as :func:`~compaction_gym.engine.fast.kernels.rms_norm` rounds; float32."""
         cols = c * KC + tl.arange(0, KC)
@@ -127,29 +132,51 @@ if HAS_TRITON:
         return tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
 
     @triton.jit
+    def _accumulate(acc, acc2, w, u, x, TWO: tl.constexpr):
+        """``acc += w · x`` per row (and with ``TWO`` ``acc2 += u · x``), in float32."""
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if TWO:
+            acc2 += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+        return acc, acc2
+
+    @triton.jit
     def _rows_dot(W, w0, W2, u0, row0, n_rows, X, NW, rstd, K: tl.constexpr, BLOCK_R: tl.constexpr,
                   KC: tl.constexpr, NORM: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
         """``W[rows] · f(x)`` (and with ``TWO`` ``W2[rows] · f(x)``) in float32 ``[BLOCK_R]``, the first
-        chunks ``w0`` (``u0``) already loaded; each chunk's successor is issued before the chunk is
-        used, so two tiles per matrix are in flight."""
+        chunks ``w0`` (``u0``) already loaded.
+
+        Up to two chunks (every phase at Qwen3-0.6B), each chunk's successor is issued into registers
+        before the chunk is used, so two tiles per matrix are in flight. More chunks (the MLP at
+        1B-class widths) stream through a :data:`PIPELINE_STAGES`-stage shared-memory pipeline
+        instead: with two register tiles in flight the program waited on every chunk
+        (docs/fast-path.md, "One launch per step")."""
         NC: tl.constexpr = (K + KC - 1) // KC
         acc = tl.zeros([BLOCK_R], tl.float32)
         acc2 = tl.zeros([BLOCK_R], tl.float32)
-        w = w0
-        u = u0
-        for c in tl.static_range(NC):
-            if c + 1 < NC:
-                w_next = _tile(W, row0, n_rows, c + 1, K, BLOCK_R, KC)
+        if NC > 2:
+            x = _normed_chunk(X, NW, rstd, 0, K, KC, NORM)
+            acc, acc2 = _accumulate(acc, acc2, w0, u0, x, TWO)
+            for c in tl.range(1, NC, num_stages=_STAGES):
+                w = _tile(W, row0, n_rows, c, K, BLOCK_R, KC)
+                u = w
                 if TWO:
-                    u_next = _tile(W2, row0, n_rows, c + 1, K, BLOCK_R, KC)
-            x = _normed_chunk(X, NW, rstd, c, K, KC, NORM)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            if TWO:
-                acc2 += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
-            if c + 1 < NC:
-                w = w_next
-                if TWO:
-                    u = u_next
+                    u = _tile(W2, row0, n_rows, c, K, BLOCK_R, KC)
+                x = _normed_chunk(X, NW, rstd, c, K, KC, NORM)
+                acc, acc2 = _accumulate(acc, acc2, w, u, x, TWO)
+        else:
+            w = w0
+            u = u0
+            for c in tl.static_range(NC):
+                if c + 1 < NC:
+                    w_next = _tile(W, row0, n_rows, c + 1, K, BLOCK_R, KC)
+                    if TWO:
+                        u_next = _tile(W2, row0, n_rows, c + 1, K, BLOCK_R, KC)
+                x = _normed_chunk(X, NW, rstd, c, K, KC, NORM)
+                acc, acc2 = _accumulate(acc, acc2, w, u, x, TWO)
+                if c + 1 < NC:
+                    w = w_next
+                    if TWO:
+                        u = u_next
         return acc, acc2
 
     @triton.jit
