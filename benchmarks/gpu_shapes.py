@@ -1,8 +1,9 @@
 """Shared pieces of the GPU benchmarks: real model shapes, random models, bandwidth, tables.
 
-The shapes are the public ``config.json`` values of Qwen/Qwen3-0.6B, -1.7B and -4B and of
+The shapes are the public ``config.json`` values of Qwen/Qwen3-0.6B, -1.7B and -4B, of
 meta-llama/Llama-3.2-1B (the model of the "No Bubbles" megakernel, the field's batch-1 anchor:
-docs/fast-path.md); all four tie the input embedding and the LM head. Weights are random: speed
+docs/fast-path.md) and of HuggingFaceTB/SmolLM2-135M-Instruct (the pretrained model this project
+runs offline: docs/models.md); all of them tie the input embedding and the LM head. Weights are random: speed
 does not depend on them.
 """
 
@@ -44,6 +45,11 @@ LLAMA_SHAPES: dict[str, dict] = {
         rope_theta=500_000.0, rms_norm_eps=1e-5,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+        rope_theta=100_000.0, rms_norm_eps=1e-5,
     ),
 }  # fmt: skip
 
