@@ -38,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 
@@ -344,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, EF=evict_first, num_warps=8,
                               num_stages=1)  # fmt: skip
 
+    def run_stream(desc, ns: int, barriers: bool, inputs: bool, paced: bool) -> None:
+        stream_kernel[(P,)](desc, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, NS=ns, NB=K // BOX, BOX=BOX,
+                            BARRIERS=barriers, INPUTS=inputs, PACED=paced, num_warps=8)  # fmt: skip
+
     runs = {
         "barriers": lambda: run_barriers(True),
         "barriers, weights not evict-first": lambda: run_barriers(False),
@@ -357,24 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, barriers, inputs, paced in (("", True, True, False), (", paced", True, True, True),
                                                   (", no barriers", False, True, False),
                                                   (", no barriers, no inputs", False, False, False)):  # fmt: skip
-                runs[f"stream, ring {ns}{name}"] = lambda ns=ns, b=barriers, i=inputs, pc=paced: (
-                    stream_kernel[(P,)](
-                        desc,
-                        buf,
-                        bar,
-                        L=L,
-                        P=P,
-                        NCH=NCH,
-                        STRIDE=stride,
-                        NS=ns,
-                        NB=K // BOX,
-                        BOX=BOX,
-                        BARRIERS=b,
-                        INPUTS=i,
-                        PACED=pc,
-                        num_warps=8,
-                    )
-                )
+                runs[f"stream, ring {ns}{name}"] = functools.partial(run_stream, desc, ns, barriers, inputs, paced)
     else:
         print(
             "no Gluon warp specialization here (Triton with triton.experimental.gluon on Hopper): stream rows skipped"

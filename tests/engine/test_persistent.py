@@ -259,14 +259,14 @@ def test_llama_layouts(layout):
     runner.cache.beta.normal_()
     assert runner.decoder.layers[0].qkv_bias is None and runner.decoder.layers[0].q_norm is None
     assert runner.decoder.persistent_ready()
-    layer0, n_kv = model.model.layers[0], config.num_key_value_heads
+    layer0, n_kv, d = model.model.layers[0], config.num_key_value_heads, config.head_dim
     for n in (0, 300, 599):
         out = _step_both(runner, n, token=3)
         for i in range(4):  # logits, K row, V row, queries
             assert _rel(out["persistent"][i], out["layered"][i]) < 0.05
         with torch.no_grad():
             x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor([[3]], device=CUDA)))
-            k = layer0.self_attn.k_proj(x).view(1, 1, n_kv, 64).transpose(1, 2)
+            k = layer0.self_attn.k_proj(x).view(1, 1, n_kv, d).transpose(1, 2)
             cos, sin = model.model.rotary_emb(x, torch.tensor([[n]], device=CUDA))
             k_ref = apply_rotary_pos_emb(k, k, cos, sin)[1][0, :, 0]
         k_got = out["persistent"][1][0]
