@@ -123,7 +123,8 @@ def test_position_block_mask_equals_create_block_mask(seed, shape, block):
 
 @pytest.mark.gpu
 def test_new_bucket_shapes_do_not_recompile():
-    """A GRPO batch's buckets change shape every step: after the first shapes, twelve more (pieces,
+    """A GRPO batch's buckets change shape every step: from a fresh process's state, four shapes
+    (tile counts of queries and keys equal and not) compile one graph, and twelve more (pieces,
     queries, widths — single pieces, fewer than 128 queries or keys included — forward and backward)
     compile nothing new — a static compile would hit
     dynamo's recompile limit and fall back to the unfused kernel, ~60× slower."""
@@ -132,6 +133,11 @@ def test_new_bucket_shapes_do_not_recompile():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import compaction_gym.engine.fast.flex as flex
+
+    # as a new process: earlier tests' compiles would have let dynamo widen the guards already
+    torch._dynamo.reset()
+    flex._compiled = None
+    start = counters["stats"]["unique_graphs"]
 
     def run(P, n, W, seed):
         q, k, v, bias, colpos, qpos = (x.cuda() for x in problem(seed, P, 2, 2, n, W, 64, torch.bfloat16))
@@ -143,6 +149,7 @@ def test_new_bucket_shapes_do_not_recompile():
     for i, (P, n, W) in enumerate([(5, 64, 256), (7, 90, 410), (4, 64, 300), (6, 45, 256)]):
         run(P, n, W, i)
     before = counters["stats"]["unique_graphs"]
+    assert before == start + 1  # one graph, whatever the tile counts
     for i, (P, n, W) in enumerate([(3, 17, 140), (9, 129, 520), (1, 5, 60), (4, 200, 333), (12, 40, 90),
                                    (2, 256, 700), (6, 33, 257), (1, 64, 128), (8, 101, 384), (5, 7, 64),
                                    (10, 77, 199), (3, 150, 611)]):  # fmt: skip

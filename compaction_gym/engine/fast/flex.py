@@ -151,9 +151,12 @@ def key_bias_attention(
     if (pieces, width) != (P, W):
         key, value = (torch.nn.functional.pad(x, (0, 0, 0, W - width, 0, 0, 0, P - pieces)) for x in (key, value))
         bias = torch.nn.functional.pad(bias, (0, W - width, 0, 0, 0, P - pieces))
-    # every size varies from bucket to bucket: compiled once for all of them (the closures' tensors too)
-    for x, dims in ((query, (0, 2)), (key, (0, 2)), (value, (0, 2)), (bias, (0, 2)), (mask.colpos, (0, 1)),
-                    (mask.qpos, (0, 1))):  # fmt: skip
+    # every size varies from bucket to bucket: compiled once for all of them (the closures' tensors
+    # and the block mask's tile tables too: pieces and both tile counts; their head dimension is 1)
+    sized = [(query, (0, 2)), (key, (0, 2)), (value, (0, 2)), (bias, (0, 2)), (mask.colpos, (0, 1)),
+             (mask.qpos, (0, 1))]  # fmt: skip
+    sized += [(t, (0, *range(2, t.dim()))) for t in _tile_tables(mask.block_mask)]
+    for x, dims in sized:
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(x, dim)
 
@@ -170,6 +173,17 @@ def key_bias_attention(
         logger.warning("FlexAttention failed (%s); β attention takes the SDPA paths from now on", _failure)
         raise FlexUnavailable(_failure) from e
     return out[:pieces, :, :queries]
+
+
+#: a :class:`BlockMask`'s tile tables, ``[pieces, 1, tiles]`` or ``[pieces, 1, tiles, tiles]`` each
+_TILE_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                "full_q_num_blocks", "full_q_indices")  # fmt: skip
+
+
+def _tile_tables(block_mask: Any) -> list[torch.Tensor]:
+    """The tile tables ``block_mask`` holds (the full-tile ones may be absent)."""
+    tables = (getattr(block_mask, name, None) for name in _TILE_TABLES)
+    return [t for t in tables if isinstance(t, torch.Tensor)]
 
 
 def _no_silent_fallback() -> Any:
