@@ -33,7 +33,7 @@ import statistics
 import sys
 
 import torch
-from gpu_shapes import DEFAULT_SHAPES, QWEN3_SHAPES, device_line, print_table, wall_time
+from gpu_shapes import DEFAULT_SHAPES, device_line, print_table, shape_config, shape_names, wall_time
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", action="store_true", help="instead: sweep decode-attention launches")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="with --attention")
     p.add_argument("--kv", type=int, nargs="+", default=[1024, 8192], help="with --attention")
-    p.add_argument("--models", nargs="+", default=list(DEFAULT_SHAPES), choices=list(QWEN3_SHAPES), help="with --attention")
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_SHAPES), choices=shape_names(), help="with --attention")
     return p
 
 
@@ -116,7 +116,7 @@ def projection_shapes() -> dict[str, tuple[int, int]]:
     """``"model/projection"`` → ``(N, K)`` of every decode projection of the :data:`DEFAULT_SHAPES`."""
     shapes = {}
     for name in DEFAULT_SHAPES:
-        sh = QWEN3_SHAPES[name]
+        sh = shape_config(name)
         h, inter, d = sh["hidden_size"], sh["intermediate_size"], sh["head_dim"]
         shapes[f"{name}/qkv"] = ((sh["num_attention_heads"] + 2 * sh["num_key_value_heads"]) * d, h)
         shapes[f"{name}/o"] = (h, sh["num_attention_heads"] * d)
@@ -208,7 +208,7 @@ def attention_case(name: str, batch: int, kv: int, args, bw: float) -> list[list
     runner's choice and the best three, as × the floor (KV bytes ÷ the copy bandwidth ``bw``)."""
     from compaction_gym.engine.fast.attention import decode_attention, decode_attention_sdpa, num_splits_for
 
-    sh = QWEN3_SHAPES[name]
+    sh = shape_config(name)
     n_q, n_kv, d = sh["num_attention_heads"], sh["num_key_value_heads"], sh["head_dim"]
     per_layer = batch * n_kv * kv * d * 2 * 2  # K and V, bf16
     layers = max(2, min(sh["num_hidden_layers"], (512 << 20) // per_layer))
@@ -269,7 +269,7 @@ def nnls_problem(seed: int = 0):
     """β's Gram system of one 4B-shaped event (288 problems, t = 256, 1024 probes)."""
     from compaction_gym.engine.fast.compaction import _span_stats
 
-    sh = QWEN3_SHAPES["qwen3-4b"]
+    sh = shape_config("qwen3-4b")
     b, d = sh["num_hidden_layers"] * sh["num_key_value_heads"], sh["head_dim"]
     g = torch.Generator(device="cuda").manual_seed(seed)
     keys = torch.randn(b, 2048, d, device="cuda", generator=g).to(torch.bfloat16)
