@@ -14,6 +14,9 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
   current — one L2 round trip per phase instead of a barrier and a load. Weights evict-first.
+  The program checks all tags together after each poll (a reduction across its threads);
+  ``flags, each thread spins on its own words`` has every thread spin on its four words in inline
+  PTX instead, without (or, ``~200 ns pauses``, with) a pause between polls.
 * ``stream`` (Gluon, warp-specialized; needs Hopper and ``triton.experimental.gluon``): one
   producer warp streams every weight chunk of every layer by TMA into a ring of ``--ring``
   shared-memory slots (Gluon's TMA copies take no cache hint), as far ahead as the ring allows and
@@ -22,7 +25,11 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   drops the barriers (each phase still waits for its input load), and ``stream, no barriers, no
   inputs`` also the loads: the ceiling of the streaming itself. ``stream, paced`` lets the
   producer ask for a phase's chunks only once the consumer has arrived at the phase's barrier, as
-  the ``barriers`` design issues its tiles.
+  the ``barriers`` design issues its tiles. Chunks travel as four boxes of 8 KB; ``≤ N KB in flight``
+  (``--in-flight``) lets the producer request a box only once the box ``N / 8`` before it has
+  landed, however many slots are free: the ring still fills ahead, but the device holds at most
+  ``N`` KB of a program's weight requests at a time (132 × 16 KB ≈ 2 MB, about what HBM's
+  bandwidth times its latency needs).
 
 Each synchronised design first runs once from the same inputs and its last phase is checked against
 float64 (the run stops if any is off). Each row: µs per layer (the best of ``--rounds`` medians of
@@ -31,8 +38,9 @@ bytes' time at the device-to-device copy bandwidth measured in the same run; ``�
 the first row.
 
 Usage:
-    python benchmarks/bench_layer_chain.py                 # all designs, ring of 6 slots
+    python benchmarks/bench_layer_chain.py                 # all designs, ring of 6 chunks
     python benchmarks/bench_layer_chain.py --ring 3 6 --layers 28 --repeats 20
+    python benchmarks/bench_layer_chain.py --ring 6 --in-flight 0 8 16 24 32 64
 """
 
 from __future__ import annotations
@@ -135,13 +143,57 @@ if triton is not None:
             spins += 1
         return (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
+    # Each thread loads its four tagged words at once and spins until all four carry ``tag``: no
+    # reduction across threads per spin (bounded at 2^20 spins: never hangs). Labels are local to braces.
+    _SPIN4 = tl.constexpr("""{
+    .reg .pred p, q;
+    .reg .b32 h0, h1, h2, h3, n;
+    .reg .b64 w0, w1, w2, w3;
+    mov.u32 n, 0;
+    spin:
+    ld.relaxed.gpu.global.b64 w0, [$4];
+    ld.relaxed.gpu.global.b64 w1, [$5];
+    ld.relaxed.gpu.global.b64 w2, [$6];
+    ld.relaxed.gpu.global.b64 w3, [$7];
+    mov.b64 {$0, h0}, w0;
+    mov.b64 {$1, h1}, w1;
+    mov.b64 {$2, h2}, w2;
+    mov.b64 {$3, h3}, w3;
+    setp.ne.u32 p, h0, $8;
+    setp.ne.or.u32 p, h1, $9, p;
+    setp.ne.or.u32 p, h2, $10, p;
+    setp.ne.or.u32 p, h3, $11, p;
+    add.u32 n, n, 1;
+    setp.lt.u32 q, n, 1048576;
+    and.pred p, p, q;
+    @p bra spin;
+    }""")
+    # The same with a pause of ~200 ns between polls (fewer loads while the writers' stores are on their way).
+    _SPIN4_PAUSED = tl.constexpr(
+        _SPIN4.value.replace("@p bra spin;", "@!p bra done;\n    nanosleep.u32 200;\n    bra spin;\n    done:")
+    )
+
+    @triton.jit
+    def _poll_threads(X, tag, PAUSED: tl.constexpr):
+        """:func:`_poll`, each thread spinning on its own words (inline PTX; ``PAUSED``: ~200 ns between polls)."""
+        offs = tl.arange(0, 1024)
+        bits = tl.inline_asm_elementwise(
+            asm=_SPIN4_PAUSED if PAUSED else _SPIN4,
+            constraints="=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+            args=[X + offs, tl.full([1024], tag, tl.int32)],
+            dtype=tl.int32,
+            is_pure=True,  # impure copies rematerialised for other layouts would each spin (one round trip each)
+            pack=4,
+        )
+        return bits.to(tl.float32, bitcast=True)
+
     @triton.jit
     def _phase_flags(W, X, XN, OUT, layer, seq, ph: tl.constexpr, j0: tl.constexpr, C: tl.constexpr, pid,
-                     P: tl.constexpr, NCH: tl.constexpr):  # fmt: skip
+                     P: tl.constexpr, NCH: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
         tag = seq * 256 + layer * 5 + ph
         w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16, True)
         if (layer > 0) | (ph > 0):  # noqa: SIM108 - a runtime branch in a Triton kernel
-            x = _poll(X, tag)
+            x = _poll_threads(X, tag, THREADS == 2) if THREADS else _poll(X, tag)
         else:
             x = tl.full([1024], 1.0, tl.float32)
         acc = _dots_store(w, w2, x, OUT, pid, C)
@@ -154,66 +206,73 @@ if triton is not None:
 
     @triton.jit
     def flags_kernel(
-        W, BUF, XB, seq, L: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, STRIDE: tl.constexpr
-    ):
+        W, BUF, XB, seq, L: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, STRIDE: tl.constexpr,
+        THREADS: tl.constexpr,
+    ):  # fmt: skip
         pid = tl.program_id(0)
         for layer in range(L):
-            _phase_flags(W, XB + 4 * 2048, XB + 0 * 2048, BUF + 0 * STRIDE, layer, seq, 0, 0, 2, pid, P, NCH)
-            _phase_flags(W, XB + 0 * 2048, XB + 1 * 2048, BUF + 1 * STRIDE, layer, seq, 1, 2, 1, pid, P, NCH)
-            _phase_flags(W, XB + 1 * 2048, XB + 2 * 2048, BUF + 2 * STRIDE, layer, seq, 2, 3, 1, pid, P, NCH)
-            _phase_flags(W, XB + 2 * 2048, XB + 3 * 2048, BUF + 3 * STRIDE, layer, seq, 3, 4, 3, pid, P, NCH)
-            _phase_flags(W, XB + 3 * 2048, XB + 4 * 2048, BUF + 4 * STRIDE, layer, seq, 4, 7, 2, pid, P, NCH)
+            _phase_flags(W, XB + 4 * 2048, XB + 0 * 2048, BUF + 0 * STRIDE, layer, seq, 0, 0, 2, pid, P, NCH, THREADS)
+            _phase_flags(W, XB + 0 * 2048, XB + 1 * 2048, BUF + 1 * STRIDE, layer, seq, 1, 2, 1, pid, P, NCH, THREADS)
+            _phase_flags(W, XB + 1 * 2048, XB + 2 * 2048, BUF + 2 * STRIDE, layer, seq, 2, 3, 1, pid, P, NCH, THREADS)
+            _phase_flags(W, XB + 2 * 2048, XB + 3 * 2048, BUF + 3 * STRIDE, layer, seq, 3, 4, 3, pid, P, NCH, THREADS)
+            _phase_flags(W, XB + 3 * 2048, XB + 4 * 2048, BUF + 4 * STRIDE, layer, seq, 4, 7, 2, pid, P, NCH, THREADS)
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _produce_phase(desc, ring, ready, empty, go, layer, i, ph: gl.constexpr, j0: gl.constexpr, C: gl.constexpr,
+    def _produce_phase(desc, ring, ready, empty, go, layer, j, ph: gl.constexpr, j0: gl.constexpr, C: gl.constexpr,
                        P: gl.constexpr, NCH: gl.constexpr, NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr,
-                       PACED: gl.constexpr):  # fmt: skip
-        """Stream phase ``ph``'s ``C`` chunks into the ring (with ``PACED``: once the consumer has arrived
-        at the phase's barrier)."""
+                       PACED: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        """Stream phase ``ph``'s ``C`` chunks, box by box, into the ring (with ``PACED``: once the consumer
+        has arrived at the phase's barrier); with ``D < NS`` at most ``D`` boxes in flight."""
         pid = gl.program_id(0)
         if PACED:
             mbarrier.wait(go.index(0), (layer * 5 + ph) & 1)
         for c in gl.static_range(C):
-            s = i % NS
-            mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), NB * desc.block_type.nbytes)
             row0 = ((layer * NCH + j0 + c) * P + pid) * 16
             for b in gl.static_range(NB):
-                tma.async_copy_global_to_shared(desc, [row0, b * BOX], ready.index(s), ring.index(s * NB + b))
-            i += 1
-        return i
+                s = j % NS
+                mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)
+                if D < NS:  # noqa: SIM102 - a compile-time branch around a runtime one
+                    if j >= D:  # box j - D has landed (its slot is refilled only after box j is issued)
+                        k = j - D
+                        mbarrier.wait(ready.index(k % NS), (k // NS) & 1)
+                mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc, [row0, b * BOX], ready.index(s), ring.index(s))
+                j += 1
+        return j
 
     @gluon.jit
     def _producer(desc, ring, ready, empty, go, L: gl.constexpr, P: gl.constexpr, NCH: gl.constexpr,
-                  NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, PACED: gl.constexpr):  # fmt: skip
-        """Stream every chunk of every layer, in the consumer's order, into the ring (TMA)."""
-        i = 0
+                  NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, PACED: gl.constexpr,
+                  D: gl.constexpr):  # fmt: skip
+        """Stream every box of every layer, in the consumer's order, into the ring (TMA)."""
+        j = 0
         for layer in range(L):
-            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 0, 0, 2, P, NCH, NS, NB, BOX, PACED)
-            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 1, 2, 1, P, NCH, NS, NB, BOX, PACED)
-            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 2, 3, 1, P, NCH, NS, NB, BOX, PACED)
-            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 3, 4, 3, P, NCH, NS, NB, BOX, PACED)
-            i = _produce_phase(desc, ring, ready, empty, go, layer, i, 4, 7, 2, P, NCH, NS, NB, BOX, PACED)
+            j = _produce_phase(desc, ring, ready, empty, go, layer, j, 0, 0, 2, P, NCH, NS, NB, BOX, PACED, D)
+            j = _produce_phase(desc, ring, ready, empty, go, layer, j, 1, 2, 1, P, NCH, NS, NB, BOX, PACED, D)
+            j = _produce_phase(desc, ring, ready, empty, go, layer, j, 2, 3, 1, P, NCH, NS, NB, BOX, PACED, D)
+            j = _produce_phase(desc, ring, ready, empty, go, layer, j, 3, 4, 3, P, NCH, NS, NB, BOX, PACED, D)
+            j = _produce_phase(desc, ring, ready, empty, go, layer, j, 4, 7, 2, P, NCH, NS, NB, BOX, PACED, D)
 
     @gluon.jit
-    def _chunk(ring, ready, empty, i, x0, x1, x2, x3, NS: gl.constexpr, NB: gl.constexpr, layout: gl.constexpr,
-               DOTS: gl.constexpr):  # fmt: skip
-        """Wait for chunk ``i`` in the ring, its 16 dot products (or zeros without ``DOTS``), free its slot."""
-        s = i % NS
-        mbarrier.wait(ready.index(s), (i // NS) & 1)
-        if DOTS:
-            prod = ring.index(s * NB + 0).load(layout).to(gl.float32) * x0[None, :]
-            prod += ring.index(s * NB + 1).load(layout).to(gl.float32) * x1[None, :]
-            prod += ring.index(s * NB + 2).load(layout).to(gl.float32) * x2[None, :]
-            prod += ring.index(s * NB + 3).load(layout).to(gl.float32) * x3[None, :]
-            acc = gl.sum(prod, axis=1)
-        else:
-            acc = gl.zeros([16], gl.float32, gl.SliceLayout(1, layout))
-        fence_async_shared()  # the slot's reads are ordered before the TMA that refills it
-        mbarrier.arrive(empty.index(s), count=1)
+    def _box(ring, ready, j, x, NS: gl.constexpr, layout: gl.constexpr):
+        s = j % NS
+        mbarrier.wait(ready.index(s), (j // NS) & 1)
+        return ring.index(s).load(layout).to(gl.float32) * x[None, :]
+
+    @gluon.jit
+    def _chunk(ring, ready, empty, j, x0, x1, x2, x3, NS: gl.constexpr, layout: gl.constexpr):
+        """Wait for the chunk's four boxes (``j`` …) in the ring, its 16 dot products, free their slots."""
+        prod = _box(ring, ready, j, x0, NS, layout)
+        prod += _box(ring, ready, j + 1, x1, NS, layout)
+        prod += _box(ring, ready, j + 2, x2, NS, layout)
+        prod += _box(ring, ready, j + 3, x3, NS, layout)
+        acc = gl.sum(prod, axis=1)
+        fence_async_shared()  # the slots' reads are ordered before the TMA that refills them
+        for b in gl.static_range(4):
+            mbarrier.arrive(empty.index((j + b) % NS), count=1)
         return acc
 
     @gluon.jit
@@ -244,12 +303,12 @@ if gluon is not None:
             x2 = x0
             x3 = x0
         for c in gl.static_range(C):
-            acc = _chunk(ring, ready, empty, i, x0, x1, x2, x3, NS, NB, layout, True)
+            acc = _chunk(ring, ready, empty, i, x0, x1, x2, x3, NS, layout)
             gl.store(
                 BUF + ph * STRIDE + (pid * C + c) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout)),
                 acc,
             )
-            i += 1
+            i += NB
         return i
 
     @gluon.jit
@@ -274,9 +333,9 @@ if gluon is not None:
     @gluon.jit
     def stream_kernel(desc, BUF, BAR, L: gl.constexpr, P: gl.constexpr, NCH: gl.constexpr, STRIDE: gl.constexpr,
                       NS: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, BARRIERS: gl.constexpr,
-                      INPUTS: gl.constexpr, PACED: gl.constexpr):  # fmt: skip
+                      INPUTS: gl.constexpr, PACED: gl.constexpr, D: gl.constexpr):  # fmt: skip
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        ring = gl.allocate_shared_memory(gl.bfloat16, [NS * NB, 16, BOX], desc.layout)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [NS, 16, BOX], desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -287,7 +346,7 @@ if gluon is not None:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (ring, ready, empty, go, BUF, BAR, L, P, STRIDE, NS, NB, BOX, BARRIERS, INPUTS, PACED, layout)),
-            (_producer, (desc, ring, ready, empty, go, L, P, NCH, NS, NB, BOX, PACED)),
+            (_producer, (desc, ring, ready, empty, go, L, P, NCH, NS, NB, BOX, PACED, D)),
         ], [1], [48])  # fmt: skip
 
 
@@ -314,6 +373,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ring", type=int, nargs="+", default=[6], help="shared-memory slots (32 KB each) of the stream"
     )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        nargs="+",
+        default=[0, 16, 32],
+        help="KB of weights a program's stream may have requested and not yet received (multiples of 8; 0: "
+        "as many as the ring has free slots)",
+    )
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the designs (best median kept)")
     return p
@@ -337,32 +404,44 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     bytes_us = layer_bytes / bandwidth * 1e6
 
-    def flags() -> None:
+    def flags(threads: int) -> None:
         seq[0] += 1  # a fresh tag space per launch: no buffer reset needed
-        flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, num_warps=8, num_stages=1)
+        flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, THREADS=threads, num_warps=8,
+                           num_stages=1)  # fmt: skip
 
     def run_barriers(evict_first: bool) -> None:
         barriers_kernel[(P,)](W, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, EF=evict_first, num_warps=8,
                               num_stages=1)  # fmt: skip
 
-    def run_stream(desc, ns: int, barriers: bool, inputs: bool, paced: bool) -> None:
-        stream_kernel[(P,)](desc, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, NS=ns, NB=K // BOX, BOX=BOX,
-                            BARRIERS=barriers, INPUTS=inputs, PACED=paced, num_warps=8)  # fmt: skip
+    def run_stream(desc, ns: int, barriers: bool, inputs: bool, paced: bool, boxes_in_flight: int) -> None:
+        nb = K // BOX  # boxes of a chunk
+        stream_kernel[(P,)](desc, buf, bar, L=L, P=P, NCH=NCH, STRIDE=stride, NS=ns * nb, NB=nb, BOX=BOX,
+                            BARRIERS=barriers, INPUTS=inputs, PACED=paced, D=boxes_in_flight or ns * nb,
+                            num_warps=8)  # fmt: skip
 
     runs = {
         "barriers": lambda: run_barriers(True),
         "barriers, weights not evict-first": lambda: run_barriers(False),
-        "flags": flags,
+        "flags": lambda: flags(0),
+        "flags, each thread spins on its own words": lambda: flags(1),
+        "flags, each thread spins on its own words, ~200 ns pauses": lambda: flags(2),
     }
     if gluon is not None and torch.cuda.get_device_capability(dev)[0] >= 9:
         desc = TensorDescriptor.from_tensor(
             W, [ROWS, BOX], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         )
+        box_kb = ROWS * BOX * 2 // 1024
         for ns in args.ring:
-            for name, barriers, inputs, paced in (("", True, True, False), (", paced", True, True, True),
-                                                  (", no barriers", False, True, False),
-                                                  (", no barriers, no inputs", False, False, False)):  # fmt: skip
-                runs[f"stream, ring {ns}{name}"] = functools.partial(run_stream, desc, ns, barriers, inputs, paced)
+            for kb in args.in_flight:
+                cap = f", ≤ {kb} KB in flight" if kb else ""
+                variants = [("", True, True, False), (", no barriers", False, True, False)]
+                if not kb:
+                    variants[1:1] = [(", paced", True, True, True)]
+                    variants.append((", no barriers, no inputs", False, False, False))
+                for name, barriers, inputs, paced in variants:
+                    runs[f"stream, ring {ns}{cap}{name}"] = functools.partial(
+                        run_stream, desc, ns, barriers, inputs, paced, kb // box_kb
+                    )
     else:
         print(
             "no Gluon warp specialization here (Triton with triton.experimental.gluon on Hopper): stream rows skipped"
@@ -387,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.zero_()
         fn()
         if "no barriers" not in name:  # those race by design: timing only
-            ref = refs[name == "flags"]
+            ref = refs[name.startswith("flags")]
             errors[name] = ((buf[last].double() - ref).abs().max() / ref.abs().max()).item()
     torch.cuda.synchronize()
     print(

@@ -23,8 +23,10 @@ def test_designs_match_float64(monkeypatch, capsys):
     assert bench.main(["--layers", "3", "--repeats", "2", "--rounds", "1", "--ring", "3"]) == 0
     out = capsys.readouterr().out
     assert "barriers" in out and "flags" in out
+    assert "flags, each thread spins on its own words, ~200 ns pauses" in out
     errors = out.split("relative to its largest value: ")[1].splitlines()[0]
     assert all(float(part.rsplit(" ", 1)[1]) < 1e-3 for part in errors.split("; "))
     assert "barriers, weights not evict-first" in errors
-    if "stream" in errors:  # Gluon here: the paced stream is checked too
+    if "stream" in errors:  # Gluon here: the paced and the capped streams are checked too
         assert "stream, ring 3, paced" in errors
+        assert "stream, ring 3, ≤ 16 KB in flight" in errors
