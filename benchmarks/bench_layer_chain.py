@@ -10,7 +10,10 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
 * ``barriers``: today's persistent-kernel pattern (Triton): per phase a grid-wide barrier; the
   phase's weight tiles are issued into registers between arriving and waiting, loaded evict-first.
   ``barriers, weights not evict-first``: the same with normal-priority loads (the kernel before
-  session 33).
+  session 33). ``barriers, CUDA C++`` is the same design written by hand (``layer_chain_barriers.cu``,
+  built with ``torch.utils.cpp_extension`` where a CUDA compiler is found: thread 0 arrives with a
+  release reduction and polls with acquire loads, warp shuffles sum the rows); ``N counters`` spreads
+  the barrier's count over N counters on separate L2 lines, each polled by its own thread.
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
   current — one L2 round trip per phase instead of a barrier and a load. Weights evict-first.
@@ -49,6 +52,7 @@ import argparse
 import functools
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from gpu_shapes import copy_bandwidth, cuda_time, device_line, print_table
@@ -350,6 +354,19 @@ if gluon is not None:
         ], [1], [48])  # fmt: skip
 
 
+def cuda_barriers():
+    """``layer_chain_barriers.cu`` built for this device (on first use, ~1 min), or None without a CUDA compiler."""
+    from torch.utils.cpp_extension import CUDA_HOME, load
+
+    if CUDA_HOME is None:
+        return None
+    return load(
+        name="layer_chain_barriers",
+        sources=[str(Path(__file__).with_name("layer_chain_barriers.cu"))],
+        extra_cuda_cflags=["-O3"],
+    )
+
+
 @torch.no_grad()
 def reference(W: torch.Tensor, x0: torch.Tensor, programs: int, layers: int, tagged: bool) -> torch.Tensor:
     """The last phase's outputs in float64, program-major: the input of each phase is the first
@@ -397,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     W = (torch.randn(L * NCH * P * ROWS, K, device=dev) / K**0.5).to(torch.bfloat16)  # outputs keep x's scale
     start = torch.randn(5 * stride, device=dev)
     buf = start.clone()
-    bar = torch.zeros(2, device=dev, dtype=torch.int32)
+    bar = torch.zeros(16 * 32, device=dev, dtype=torch.int32)  # up to 16 counters on lines of their own
     xb = torch.zeros(5 * 2048, device=dev, dtype=torch.int64)
     seq = [1]
     layer_bytes = NCH * P * ROWS * K * 2
@@ -419,9 +436,23 @@ def main(argv: list[str] | None = None) -> int:
                             BARRIERS=barriers, INPUTS=inputs, PACED=paced, D=boxes_in_flight or ns * nb,
                             num_warps=8)  # fmt: skip
 
+    def cuda_runs() -> dict:
+        ext = cuda_barriers()
+        if ext is None:
+            print("no CUDA compiler (CUDA_HOME): the CUDA C++ rows are skipped")
+            return {}
+        runs = {
+            "barriers, CUDA C++": lambda: ext.launch(W, buf, bar, L, P, stride, True, 1),
+            "barriers, CUDA C++, weights not evict-first": lambda: ext.launch(W, buf, bar, L, P, stride, False, 1),
+        }
+        for n in (4, 8, 16):
+            runs[f"barriers, CUDA C++, {n} counters"] = functools.partial(ext.launch, W, buf, bar, L, P, stride, True, n)
+        return runs
+
     runs = {
         "barriers": lambda: run_barriers(True),
         "barriers, weights not evict-first": lambda: run_barriers(False),
+        **cuda_runs(),
         "flags": lambda: flags(0),
         "flags, each thread spins on its own words": lambda: flags(1),
         "flags, each thread spins on its own words, ~200 ns pauses": lambda: flags(2),

@@ -1,0 +1,145 @@
+// bench_layer_chain.py's "barriers" design written by hand in CUDA C++ (same data flow, same
+// weights, same outputs): does the Triton kernel's code, rather than the chain itself, cost time?
+//
+// One block of 256 threads per multiprocessor. Per phase: arrive at the grid barrier (thread 0,
+// release), issue the phase's weight rows into registers, wait (thread 0 polls with acquire loads),
+// load the input vector from L2, dot products (warp w owns rows 2w and 2w+1 of each 16-row chunk;
+// lane l columns l*8 + k*256 .. +8, k < 4), store.
+#include <cuda_bf16.h>
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+
+namespace {
+
+constexpr int kCols = 1024;
+constexpr int kChunks = 9;  // chunks per program per layer: 2 + 1 + 1 + 3 + 2
+
+constexpr int kLine = 32;  // counters 128 bytes apart: each on its own L2 line
+
+// The grid barrier's count spread over kCounters counters (program p counts at p % kCounters), so
+// that arrivals do not queue at one L2 atomic unit; thread t < kCounters waits on counter t.
+template <int kCounters>
+__device__ __forceinline__ void arrive(unsigned* bar) {
+  __syncthreads();  // every thread's stores of the phase precede the arrival
+  if (threadIdx.x == 0) {
+    unsigned* counter = bar + (blockIdx.x % kCounters) * kLine;
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+  }
+}
+
+// Wait until phase ``phases`` (counting from 1) has every program's arrival.
+template <int kCounters>
+__device__ __forceinline__ void wait_for(const unsigned* bar, unsigned phases) {
+  const int t = threadIdx.x;
+  if (t < kCounters) {
+    const int programs = gridDim.x;
+    const unsigned target = phases * (programs / kCounters + (t < programs % kCounters ? 1 : 0));
+    const unsigned* counter = bar + t * kLine;
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+  }
+  __syncthreads();
+}
+
+template <bool kEvictFirst>
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+  if constexpr (kEvictFirst) {
+    return __ldcs(p);  // streaming: evicted first
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <int C, bool kEvictFirst, int kCounters>
+__device__ __forceinline__ void phase(const __nv_bfloat16* W, const float* X, float* out, unsigned* bar, int layer,
+                                      int ph, int j0, int programs, int pid) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  arrive<kCounters>(bar);
+  uint4 w[C][2][4];
+  const long row0 = (static_cast<long>(layer * kChunks + j0) * programs + pid) * 16;
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const long row = row0 + static_cast<long>(c) * programs * 16 + 2 * warp + i;
+        w[c][i][k] = load_weights<kEvictFirst>(reinterpret_cast<const uint4*>(W + row * kCols + lane * 8 + k * 256));
+      }
+  wait_for<kCounters>(bar, static_cast<unsigned>(layer * 5 + ph + 1));
+  float x[4][8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256 + 4));
+    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
+    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[c][i][k]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(h[e]);
+          acc = fmaf(f.x, x[k][2 * e], acc);
+          acc = fmaf(f.y, x[k][2 * e + 1], acc);
+        }
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      if (lane == 0) out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
+    }
+}
+
+template <bool kEvictFirst, int kCounters>
+__global__ void __launch_bounds__(256, 1)
+    barriers_kernel(const __nv_bfloat16* W, float* buf, unsigned* bar, int layers, int stride) {
+  const int pid = blockIdx.x, programs = gridDim.x;
+  for (int layer = 0; layer < layers; ++layer) {
+    phase<2, kEvictFirst, kCounters>(W, buf + 4 * stride, buf + 0 * stride, bar, layer, 0, 0, programs, pid);
+    phase<1, kEvictFirst, kCounters>(W, buf + 0 * stride, buf + 1 * stride, bar, layer, 1, 2, programs, pid);
+    phase<1, kEvictFirst, kCounters>(W, buf + 1 * stride, buf + 2 * stride, bar, layer, 2, 3, programs, pid);
+    phase<3, kEvictFirst, kCounters>(W, buf + 2 * stride, buf + 3 * stride, bar, layer, 3, 4, programs, pid);
+    phase<2, kEvictFirst, kCounters>(W, buf + 3 * stride, buf + 4 * stride, bar, layer, 4, 7, programs, pid);
+  }
+}
+
+}  // namespace
+
+template <int kCounters>
+void launch_with(const __nv_bfloat16* w, float* buf, unsigned* bar, int layers, int programs, int stride,
+                 bool evict_first, cudaStream_t stream) {
+  if (evict_first) {
+    barriers_kernel<true, kCounters><<<programs, 256, 0, stream>>>(w, buf, bar, layers, stride);
+  } else {
+    barriers_kernel<false, kCounters><<<programs, 256, 0, stream>>>(w, buf, bar, layers, stride);
+  }
+}
+
+void launch(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, int64_t layers, int64_t programs,
+            int64_t stride, bool evict_first, int64_t counters) {
+  TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
+  TORCH_CHECK(buf.scalar_type() == torch::kFloat32 && bar.scalar_type() == torch::kInt32, "buf float32, bar int32");
+  TORCH_CHECK(bar.numel() >= counters * kLine, "bar: ", counters * kLine, " int32 for ", counters, " counters");
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto* w = reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>());
+  auto* b = reinterpret_cast<unsigned*>(bar.data_ptr<int>());
+  float* out = buf.data_ptr<float>();
+  switch (counters) {
+    case 1: launch_with<1>(w, out, b, layers, programs, stride, evict_first, stream); break;
+    case 4: launch_with<4>(w, out, b, layers, programs, stride, evict_first, stream); break;
+    case 8: launch_with<8>(w, out, b, layers, programs, stride, evict_first, stream); break;
+    case 16: launch_with<16>(w, out, b, layers, programs, stride, evict_first, stream); break;
+    default: TORCH_CHECK(false, "counters: 1, 4, 8 or 16, not ", counters);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch, "the barriers design in CUDA C++"); }
