@@ -14,6 +14,9 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   built with ``torch.utils.cpp_extension`` where a CUDA compiler is found: thread 0 arrives with a
   release reduction and polls with acquire loads, warp shuffles sum the rows); ``N counters`` spreads
   the barrier's count over N counters on separate L2 lines, each polled by its own thread.
+  ``stream, CUDA C++`` is the ``stream`` design below in the same file (a producer warp issues
+  ``cp.async.bulk`` copies, four of 8 KB per chunk, L2 evict-first, into six 32 KB slots; eight
+  consumer warps), with and without barriers.
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
   current — one L2 round trip per phase instead of a barrier and a load. Weights evict-first.
@@ -447,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n in (4, 8, 16):
             runs[f"barriers, CUDA C++, {n} counters"] = functools.partial(ext.launch, W, buf, bar, L, P, stride, True, n)
+        if torch.cuda.get_device_capability(dev)[0] >= 9:  # cp.async.bulk
+            runs["stream, CUDA C++, ring 6"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, True)
+            runs["stream, CUDA C++, ring 6, no barriers"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, False)
         return runs
 
     runs = {

@@ -111,7 +111,152 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
+// ---- The stream in CUDA C++: a producer warp copies every chunk by cp.async.bulk into a ring of
+// kSlots 32 KB shared-memory slots (L2 evict-first), eight consumer warps run the barrier, the input
+// load and the dots from shared memory (bench_layer_chain.py's Gluon "stream", without Gluon).
+
+constexpr int kSlots = 6;
+constexpr int kChunkBytes = 16 * kCols * 2;
+constexpr int kConsumers = 256;
+constexpr int kPieces = 4;  // copies per chunk (8 KB each)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n LAB_WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra LAB_WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+template <int C, bool kBarriers>
+__device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned full0, unsigned empty0, const float* X,
+                                            float* out, unsigned* bar, int layer, int ph, int i, int pid) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if constexpr (kBarriers) {
+    consumers_sync();
+    if (threadIdx.x == 0) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
+      const unsigned target = static_cast<unsigned>((layer * 5 + ph + 1) * gridDim.x);
+      unsigned seen;
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+      } while (seen < target);
+    }
+    consumers_sync();
+  }
+  float x[4][8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256 + 4));
+    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
+    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c, ++i) {
+    const int slot = i % kSlots;
+    mbar_wait(full0 + slot * 8, (i / kSlots) & 1);
+    const unsigned char* chunk = ring + slot * kChunkBytes;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 2 * warp + r;
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint4 w = *reinterpret_cast<const uint4*>(chunk + (row * kCols + lane * 8 + k * 256) * 2);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(h[e]);
+          acc = fmaf(f.x, x[k][2 * e], acc);
+          acc = fmaf(f.y, x[k][2 * e + 1], acc);
+        }
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      if (lane == 0) out[pid * 16 * C + c * 16 + row] = acc;
+    }
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + slot * 8) : "memory");
+  }
+  return i;
+}
+
+template <bool kBarriers>
+__global__ void __launch_bounds__(kConsumers + 32, 1)
+    stream_kernel(const __nv_bfloat16* W, float* buf, unsigned* bar, int layers, int stride) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;
+  const unsigned full0 = smem_addr(smem + kSlots * kChunkBytes);
+  const unsigned empty0 = full0 + kSlots * 8;
+  const int pid = blockIdx.x, programs = gridDim.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kSlots; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + s * 8));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(empty0 + s * 8));  // one per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x >= kConsumers) {  // the producer warp: one thread issues every copy
+    if (threadIdx.x == kConsumers) {
+      unsigned long long policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+      int i = 0;
+      for (int layer = 0; layer < layers; ++layer)
+        for (int j = 0; j < kChunks; ++j, ++i) {
+          const int slot = i % kSlots;
+          mbar_wait(empty0 + slot * 8, ((i / kSlots) & 1) ^ 1);
+          const unsigned full = full0 + slot * 8;
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(kChunkBytes)
+                       : "memory");
+          const long row0 = (static_cast<long>(layer * kChunks + j) * programs + pid) * 16;
+          for (int piece = 0; piece < kPieces; ++piece)  // several copies in flight per chunk
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(ring + slot * kChunkBytes + piece * (kChunkBytes / kPieces))),
+                "l"(W + row0 * kCols + piece * (kChunkBytes / kPieces / 2)), "r"(kChunkBytes / kPieces), "r"(full),
+                "l"(policy)
+                : "memory");
+        }
+    }
+    return;
+  }
+  int i = 0;
+  for (int layer = 0; layer < layers; ++layer) {
+    i = stream_phase<2, kBarriers>(ring, full0, empty0, buf + 4 * stride, buf + 0 * stride, bar, layer, 0, i, pid);
+    i = stream_phase<1, kBarriers>(ring, full0, empty0, buf + 0 * stride, buf + 1 * stride, bar, layer, 1, i, pid);
+    i = stream_phase<1, kBarriers>(ring, full0, empty0, buf + 1 * stride, buf + 2 * stride, bar, layer, 2, i, pid);
+    i = stream_phase<3, kBarriers>(ring, full0, empty0, buf + 2 * stride, buf + 3 * stride, bar, layer, 3, i, pid);
+    i = stream_phase<2, kBarriers>(ring, full0, empty0, buf + 3 * stride, buf + 4 * stride, bar, layer, 4, i, pid);
+  }
+}
+
 }  // namespace
+
+void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, int64_t layers, int64_t programs,
+                   int64_t stride, bool barriers) {
+  TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
+  const int bytes = kSlots * kChunkBytes + 2 * kSlots * 8;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto* w = reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>());
+  auto* b = reinterpret_cast<unsigned*>(bar.data_ptr<int>());
+  if (barriers) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    stream_kernel<true><<<programs, kConsumers + 32, bytes, stream>>>(w, buf.data_ptr<float>(), b, layers, stride);
+  } else {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    stream_kernel<false><<<programs, kConsumers + 32, bytes, stream>>>(w, buf.data_ptr<float>(), b, layers, stride);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 template <int kCounters>
 void launch_with(const __nv_bfloat16* w, float* buf, unsigned* bar, int layers, int programs, int stride,
@@ -142,4 +287,7 @@ void launch(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, int6
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch, "the barriers design in CUDA C++"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("launch", &launch, "the barriers design in CUDA C++");
+  m.def("launch_stream", &launch_stream, "the stream design in CUDA C++");
+}

@@ -29,6 +29,7 @@ def test_designs_match_float64(monkeypatch, capsys):
     assert "barriers, weights not evict-first" in errors
     if "CUDA C++" in errors:  # a CUDA compiler here: the hand-written design and its split counters too
         assert "barriers, CUDA C++, 16 counters" in errors
+        assert "stream, CUDA C++, ring 6" in errors
     if "stream" in errors:  # Gluon here: the paced and the capped streams are checked too
         assert "stream, ring 3, paced" in errors
         assert "stream, ring 3, ≤ 16 KB in flight" in errors
