@@ -10,7 +10,7 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
 * ``barriers``: today's persistent-kernel pattern (Triton): per phase a grid-wide barrier; the
   phase's weight tiles are issued into registers between arriving and waiting, loaded evict-first.
   ``barriers, weights not evict-first``: the same with normal-priority loads (the kernel before
-  session 33). ``barriers, CUDA C++`` is the same design written by hand (``layer_chain_barriers.cu``,
+  session 33). ``barriers, CUDA C++`` is the same design written by hand (``layer_chain_cuda.cu``,
   built with ``torch.utils.cpp_extension`` where a CUDA compiler is found: thread 0 arrives with a
   release reduction and polls with acquire loads, warp shuffles sum the rows); ``N counters`` spreads
   the barrier's count over N counters on separate L2 lines, each polled by its own thread.
@@ -357,15 +357,15 @@ if gluon is not None:
         ], [1], [48])  # fmt: skip
 
 
-def cuda_barriers():
-    """``layer_chain_barriers.cu`` built for this device (on first use, ~1 min), or None without a CUDA compiler."""
+def cuda_designs():
+    """``layer_chain_cuda.cu`` built for this device (on first use, ~1 min), or None without a CUDA compiler."""
     from torch.utils.cpp_extension import CUDA_HOME, load
 
     if CUDA_HOME is None:
         return None
     return load(
-        name="layer_chain_barriers",
-        sources=[str(Path(__file__).with_name("layer_chain_barriers.cu"))],
+        name="layer_chain_cuda",
+        sources=[str(Path(__file__).with_name("layer_chain_cuda.cu"))],
         extra_cuda_cflags=["-O3"],
     )
 
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                             num_warps=8)  # fmt: skip
 
     def cuda_runs() -> dict:
-        ext = cuda_barriers()
+        ext = cuda_designs()
         if ext is None:
             print("no CUDA compiler (CUDA_HOME): the CUDA C++ rows are skipped")
             return {}

@@ -1,10 +1,11 @@
-// bench_layer_chain.py's "barriers" design written by hand in CUDA C++ (same data flow, same
-// weights, same outputs): does the Triton kernel's code, rather than the chain itself, cost time?
+// bench_layer_chain.py's "barriers" and "stream" designs written by hand in CUDA C++ (same data
+// flow, same weights, same outputs): does the Triton and Gluon kernels' code, rather than the chain
+// itself, cost time? (docs/benchmarks.md, session 36)
 //
-// One block of 256 threads per multiprocessor. Per phase: arrive at the grid barrier (thread 0,
-// release), issue the phase's weight rows into registers, wait (thread 0 polls with acquire loads),
-// load the input vector from L2, dot products (warp w owns rows 2w and 2w+1 of each 16-row chunk;
-// lane l columns l*8 + k*256 .. +8, k < 4), store.
+// barriers: one block of 256 threads per multiprocessor. Per phase: arrive at the grid barrier
+// (thread 0, release), issue the phase's weight rows into registers, wait (thread 0 polls with
+// acquire loads), load the input vector from L2, dot products (warp w owns rows 2w and 2w+1 of each
+// 16-row chunk; lane l columns l*8 + k*256 .. +8, k < 4), store.
 #include <cuda_bf16.h>
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -52,6 +53,36 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
   }
 }
 
+// The lane's 32 input values (columns lane*8 + k*256 .. +8, k < 4), from L2.
+__device__ __forceinline__ void load_input(const float* X, int lane, float (&x)[4][8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256 + 4));
+    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
+    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
+  }
+}
+
+// A row's dot product: the lane's four 16-byte pieces of the row (8 bf16 each) against its inputs,
+// summed over the warp (every lane gets the sum).
+__device__ __forceinline__ float row_dot(const uint4 (&w)[4], const float (&x)[4][8]) {
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(h[e]);
+      acc = fmaf(f.x, x[k][2 * e], acc);
+      acc = fmaf(f.y, x[k][2 * e + 1], acc);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  return acc;
+}
+
 template <int C, bool kEvictFirst, int kCounters>
 __device__ __forceinline__ void phase(const __nv_bfloat16* W, const float* X, float* out, unsigned* bar, int layer,
                                       int ph, int j0, int programs, int pid) {
@@ -70,30 +101,12 @@ __device__ __forceinline__ void phase(const __nv_bfloat16* W, const float* X, fl
       }
   wait_for<kCounters>(bar, static_cast<unsigned>(layer * 5 + ph + 1));
   float x[4][8];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256));
-    const float4 b = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256 + 4));
-    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
-    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
-  }
+  load_input(X, lane, x);
 #pragma unroll
   for (int c = 0; c < C; ++c)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[c][i][k]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(h[e]);
-          acc = fmaf(f.x, x[k][2 * e], acc);
-          acc = fmaf(f.y, x[k][2 * e + 1], acc);
-        }
-      }
-#pragma unroll
-      for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      const float acc = row_dot(w[c][i], x);
       if (lane == 0) out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
     }
 }
@@ -152,13 +165,7 @@ __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned 
     consumers_sync();
   }
   float x[4][8];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256));
-    const float4 b = __ldcg(reinterpret_cast<const float4*>(X + lane * 8 + k * 256 + 4));
-    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
-    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
-  }
+  load_input(X, lane, x);
 #pragma unroll
   for (int c = 0; c < C; ++c, ++i) {
     const int slot = i % kSlots;
@@ -167,20 +174,11 @@ __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 2 * warp + r;
-      float acc = 0.f;
+      uint4 w[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint4 w = *reinterpret_cast<const uint4*>(chunk + (row * kCols + lane * 8 + k * 256) * 2);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(h[e]);
-          acc = fmaf(f.x, x[k][2 * e], acc);
-          acc = fmaf(f.y, x[k][2 * e + 1], acc);
-        }
-      }
-#pragma unroll
-      for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      for (int k = 0; k < 4; ++k)
+        w[k] = *reinterpret_cast<const uint4*>(chunk + (row * kCols + lane * 8 + k * 256) * 2);
+      const float acc = row_dot(w, x);
       if (lane == 0) out[pid * 16 * C + c * 16 + row] = acc;
     }
     __syncwarp();
