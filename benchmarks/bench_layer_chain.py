@@ -196,11 +196,11 @@ if triton is not None:
 
     @triton.jit
     def _phase_flags(W, X, XN, OUT, layer, seq, ph: tl.constexpr, j0: tl.constexpr, C: tl.constexpr, pid,
-                     P: tl.constexpr, NCH: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
+                     P: tl.constexpr, NCH: tl.constexpr, POLL: tl.constexpr):  # fmt: skip
         tag = seq * 256 + layer * 5 + ph
         w, w2 = _tiles(W, ((layer * NCH + j0) * P + pid) * 16, C, P * 16, True)
         if (layer > 0) | (ph > 0):  # noqa: SIM108 - a runtime branch in a Triton kernel
-            x = _poll_threads(X, tag, THREADS == 2) if THREADS else _poll(X, tag)
+            x = _poll(X, tag) if POLL == "program" else _poll_threads(X, tag, POLL == "threads, paused")
         else:
             x = tl.full([1024], 1.0, tl.float32)
         acc = _dots_store(w, w2, x, OUT, pid, C)
@@ -214,15 +214,15 @@ if triton is not None:
     @triton.jit
     def flags_kernel(
         W, BUF, XB, seq, L: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, STRIDE: tl.constexpr,
-        THREADS: tl.constexpr,
+        POLL: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         for layer in range(L):
-            _phase_flags(W, XB + 4 * 2048, XB + 0 * 2048, BUF + 0 * STRIDE, layer, seq, 0, 0, 2, pid, P, NCH, THREADS)
-            _phase_flags(W, XB + 0 * 2048, XB + 1 * 2048, BUF + 1 * STRIDE, layer, seq, 1, 2, 1, pid, P, NCH, THREADS)
-            _phase_flags(W, XB + 1 * 2048, XB + 2 * 2048, BUF + 2 * STRIDE, layer, seq, 2, 3, 1, pid, P, NCH, THREADS)
-            _phase_flags(W, XB + 2 * 2048, XB + 3 * 2048, BUF + 3 * STRIDE, layer, seq, 3, 4, 3, pid, P, NCH, THREADS)
-            _phase_flags(W, XB + 3 * 2048, XB + 4 * 2048, BUF + 4 * STRIDE, layer, seq, 4, 7, 2, pid, P, NCH, THREADS)
+            _phase_flags(W, XB + 4 * 2048, XB + 0 * 2048, BUF + 0 * STRIDE, layer, seq, 0, 0, 2, pid, P, NCH, POLL)
+            _phase_flags(W, XB + 0 * 2048, XB + 1 * 2048, BUF + 1 * STRIDE, layer, seq, 1, 2, 1, pid, P, NCH, POLL)
+            _phase_flags(W, XB + 1 * 2048, XB + 2 * 2048, BUF + 2 * STRIDE, layer, seq, 2, 3, 1, pid, P, NCH, POLL)
+            _phase_flags(W, XB + 2 * 2048, XB + 3 * 2048, BUF + 3 * STRIDE, layer, seq, 3, 4, 3, pid, P, NCH, POLL)
+            _phase_flags(W, XB + 3 * 2048, XB + 4 * 2048, BUF + 4 * STRIDE, layer, seq, 4, 7, 2, pid, P, NCH, POLL)
 
 
 if gluon is not None:
@@ -424,9 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     bytes_us = layer_bytes / bandwidth * 1e6
 
-    def flags(threads: int) -> None:
+    def flags(poll: str) -> None:
+        """``poll``: "program" (all tags checked together after each poll), "threads" (each thread spins
+        on its own words) or "threads, paused" (~200 ns between a thread's polls)."""
         seq[0] += 1  # a fresh tag space per launch: no buffer reset needed
-        flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, THREADS=threads, num_warps=8,
+        flags_kernel[(P,)](W, buf, xb, seq[0], L=L, P=P, NCH=NCH, STRIDE=stride, POLL=poll, num_warps=8,
                            num_stages=1)  # fmt: skip
 
     def run_barriers(evict_first: bool) -> None:
@@ -459,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         "barriers": lambda: run_barriers(True),
         "barriers, weights not evict-first": lambda: run_barriers(False),
         **cuda_runs(),
-        "flags": lambda: flags(0),
-        "flags, each thread spins on its own words": lambda: flags(1),
-        "flags, each thread spins on its own words, ~200 ns pauses": lambda: flags(2),
+        "flags": lambda: flags("program"),
+        "flags, each thread spins on its own words": lambda: flags("threads"),
+        "flags, each thread spins on its own words, ~200 ns pauses": lambda: flags("threads, paused"),
     }
     if gluon is not None and torch.cuda.get_device_capability(dev)[0] >= 9:
         desc = TensorDescriptor.from_tensor(
