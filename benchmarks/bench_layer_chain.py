@@ -36,6 +36,29 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   landed, however many slots are free: the ring still fills ahead, but the device holds at most
   ``N`` KB of a program's weight requests at a time (132 × 16 KB ≈ 2 MB, about what HBM's
   bandwidth times its latency needs).
+* ``edges`` (CUDA C++, Hopper): the ``barriers`` design launched in thread-block clusters, at the
+  most blocks (a multiple of 16) that the device holds at once in clusters of ``--clusters`` n (a
+  cluster sits within one GPC: on an H100, 128 blocks in clusters of 1 or 2, 120 of 4 or 8, 112 of
+  16); ``edges, N programs`` is its control without clusters. ``B reads its cluster`` replaces the
+  second phase's grid barrier and L2 input by the cluster's hardware barrier and the cluster's
+  outputs read from shared memory (``B–E``: the last four phases; only the first keeps its grid
+  barrier); with clusters of 1 such a phase reads its own block's outputs, the cost of no edge at
+  all. ``D+E as split-K`` issues the fifth phase's rows with the fourth's and multiplies them by the
+  block's own fourth-phase outputs, adding the 1,024 products into the layer's sums by vector
+  reductions, which the next layer reads after its grid barrier: one grid edge a layer fewer.
+* ``split`` (CUDA C++, Hopper): Qwen3-0.6B's real bytes (35.7 MB a layer at 1,024 cached rows)
+  with two grid edges a layer. Blocks 0–31 (a cluster of four per KV head) compute their head's
+  512 q/k/v rows, share them through shared memory, read 128 KB of "cache" rows each against
+  them, share and merge those partials, and add their slice of the output projection into the
+  layer's sums; a producer warp streams their 512 KB a layer through six 32 KB slots. Blocks
+  32–119 copy their 35 gate, up and down rows (210 KB) into shared memory as soon as the layer
+  before has used them, and after the attention side's grid edge run the MLP from there, its down
+  projection as split-K reductions. Every block keeps the residual stream in registers. Rows:
+  as built, ``MLP rows loaded after the attention side`` (the MLP copies wait for that edge), and,
+  for timing only, ``no attention bytes`` (the attention side computes on stale shared memory)
+  and partial sums stored instead of added, on either side. The run also prints where a layer of
+  each goes (``%globaltimer`` stamps of blocks 0 and 32, and of every MLP block at the edge and
+  at its end).
 
 Each synchronised design first runs once from the same inputs and its last phase is checked against
 float64 (the run stops if any is off). Each row: µs per layer (the best of ``--rounds`` medians of
@@ -47,6 +70,7 @@ Usage:
     python benchmarks/bench_layer_chain.py                 # all designs, ring of 6 chunks
     python benchmarks/bench_layer_chain.py --ring 3 6 --layers 28 --repeats 20
     python benchmarks/bench_layer_chain.py --ring 6 --in-flight 0 8 16 24 32 64
+    python benchmarks/bench_layer_chain.py --only edges split --clusters 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -371,20 +395,122 @@ def cuda_designs():
 
 
 @torch.no_grad()
-def reference(W: torch.Tensor, x0: torch.Tensor, programs: int, layers: int, tagged: bool) -> torch.Tensor:
+def reference(
+    W: torch.Tensor,
+    x0: torch.Tensor,
+    programs: int,
+    layers: int,
+    tagged: bool = False,
+    cluster_mask: int = 0,
+    cluster: int = 1,
+    split_k: bool = False,
+) -> torch.Tensor:
     """The last phase's outputs in float64, program-major: the input of each phase is the first
-    1,024 outputs of the phase before (``tagged``: the first eight of each program's, as ``flags``)."""
+    1,024 outputs of the phase before (``tagged``: the first eight of each program's, as ``flags``).
+
+    A phase whose bit is set in ``cluster_mask`` reads instead, per program, its cluster's outputs of
+    the phase before (``cluster`` programs' in turn, tiled to 1,024). ``split_k``: the fifth phase is
+    the sum over programs of each one's first 32 fourth-phase outputs times its 32 fifth-phase rows
+    (the 1,024 sums are returned), and the next layer reads those sums."""
     x = x0.double()
     for layer in range(layers):
         w_layer = W[layer * NCH * programs * ROWS : (layer + 1) * NCH * programs * ROWS].view(
             NCH, programs, ROWS, K
-        )
-        j = 0
-        for c in CHUNKS:
-            out = torch.einsum("cprk,k->pcr", w_layer[j : j + c].double(), x).reshape(programs, c * ROWS)
-            x = (out[:, :8] if tagged else out).reshape(-1)[:K]
+        ).double()
+        j, prev = 0, None
+        for ph, c in enumerate(CHUNKS):
+            w = w_layer[j : j + c]
             j += c
+            if split_k and ph == len(CHUNKS) - 1:
+                rows = w.permute(1, 0, 2, 3).reshape(programs, c * ROWS, K)
+                x = out = torch.einsum("prk,pr->k", rows, prev[:, : c * ROWS])
+                break
+            if cluster_mask >> ph & 1:
+                groups = prev.reshape(programs // cluster, -1)
+                xin = groups[:, torch.arange(K, device=W.device) % groups.shape[1]].repeat_interleave(cluster, 0)
+                out = torch.einsum("cprk,pk->pcr", w, xin)
+            else:
+                out = torch.einsum("cprk,k->pcr", w, x)
+            prev = out.reshape(programs, c * ROWS)
+            x = (prev[:, :8] if tagged else prev).reshape(-1)[:K]
     return out.reshape(-1)
+
+
+SPLIT_HEADS, SPLIT_RANKS, SPLIT_MLP_BLOCKS, SPLIT_INTER = 8, 4, 88, 35  # as layer_chain_cuda.cu
+
+
+def split_weights(layers: int, device: torch.device) -> torch.Tensor:
+    """The split design's bf16 weights, ``[layers, elements]``: per layer each attention block's 128 q/k/v
+    rows of 1,024, 128 cache rows of 512 and 256 output rows of 256, then each MLP block's gate, up
+    and down rows (35 of 1,024 each); scaled so that every product keeps its input's scale."""
+    attn = torch.cat(
+        [
+            torch.randn(layers, SPLIT_HEADS * SPLIT_RANKS, n, device=device) / fan_in**0.5
+            for n, fan_in in ((128 * 1024, 1024), (128 * 512, 512), (256 * 256, 2 * 256 * SPLIT_HEADS))
+        ],
+        dim=2,
+    )
+    mlp = torch.randn(layers, SPLIT_MLP_BLOCKS, 3 * SPLIT_INTER, K, device=device) / K**0.5
+    mlp[:, :, 2 * SPLIT_INTER :] *= (K / (SPLIT_MLP_BLOCKS * SPLIT_INTER)) ** 0.5
+    return torch.cat([attn.reshape(layers, -1), mlp.reshape(layers, -1)], dim=1).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def split_reference(W: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """The split design's residual stream after every layer, in float64 (``W`` from :func:`split_weights`)."""
+    blocks = SPLIT_HEADS * SPLIT_RANKS
+    h = h0.double()
+    for w in W.double():
+        a = w[: blocks * 262144].view(SPLIT_HEADS, SPLIT_RANKS, 262144)
+        qkv_rows = a[..., : 128 * 1024].reshape(SPLIT_HEADS, 512, 1024)
+        cache_rows = a[..., 128 * 1024 : 128 * 1536].reshape(SPLIT_HEADS, 512, 512)
+        out_rows = a[..., 128 * 1536 :].reshape(SPLIT_HEADS, SPLIT_RANKS, 256, 256)
+        x = h * (h.square().mean() + 1e-6).rsqrt()
+        qkv = torch.einsum("hrk,k->hr", qkv_rows, x)  # each head's 512 values, the blocks' in rank order
+        partials = torch.einsum("hrk,hk->hr", cache_rows, qkv)
+        merged = partials[:, :256] + partials[:, 256:]
+        h = h + torch.einsum("hqok,hk->qo", out_rows, merged).reshape(-1)
+        x = h * (h.square().mean() + 1e-6).rsqrt()
+        m = w[blocks * 262144 :].view(SPLIT_MLP_BLOCKS, 3 * SPLIT_INTER, K)
+        gate, up, down = m[:, :SPLIT_INTER] @ x, m[:, SPLIT_INTER : 2 * SPLIT_INTER] @ x, m[:, 2 * SPLIT_INTER :]
+        act = torch.nn.functional.silu(gate) * up
+        h = h + torch.einsum("pik,pi->k", down, act)
+    return h
+
+
+SPLIT_STEPS = (
+    ("attention: q/k/v rows", 0, 1),
+    ("attention: cluster edge", 1, 2),
+    ("attention: cache rows", 2, 3),
+    ("attention: cluster edge", 3, 4),
+    ("attention: output rows", 4, 5),
+    ("grid edge to the MLP side", 5, 8),
+    ("MLP: rows in shared memory", 8, 9),
+    ("MLP: gate/up", 9, 10),
+    ("MLP: SiLU·mul, down, reductions", 10, 11),
+    ("grid edge to the next layer", 11, 16),
+)
+
+
+def print_split_steps(name: str, launch, layers: int, dev, bar: torch.Tensor, sums: torch.Tensor) -> None:
+    """Where a layer of the split design goes: %globaltimer stamps of blocks 0 and 32, medians over layers."""
+    stamps = torch.zeros((layers + 1) * 16 + 2 * layers * SPLIT_MLP_BLOCKS, device=dev, dtype=torch.int64)
+    bar.zero_()
+    sums.zero_()
+    launch(stamps)
+    stamps = stamps.cpu().double()
+    t = stamps[: (layers + 1) * 16].view(-1, 16)
+    t = torch.cat([t, torch.cat([t[1:, :1], t[-1:, :1]])], dim=1)  # + the next layer's first stamp (index 16)
+    mlp = stamps[(layers + 1) * 16 :].view(2, layers, SPLIT_MLP_BLOCKS)  # every MLP block: past the edge, done
+    inner = slice(1, layers - 1)
+    steps = [(label, (t[inner, b] - t[inner, a]).median().item() / 1e3) for label, a, b in SPLIT_STEPS]
+    spread = [
+        ("MLP blocks past the edge, first to last", (mlp[0].amax(1) - mlp[0].amin(1))[inner]),
+        ("MLP blocks done, block 32 to the last", (mlp[1].amax(1) - t[:layers, 11])[inner]),
+        ("the last MLP block done to the next layer", (t[1:layers, 0] - mlp[1].amax(1)[:-1])[inner]),
+    ]
+    steps += [(label, v.median().item() / 1e3) for label, v in spread]
+    print(f"{name}, µs a layer (medians over layers): " + "; ".join(f"{n} {us:.2f}" for n, us in steps))
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -401,6 +527,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="KB of weights a program's stream may have requested and not yet received (multiples of 8; 0: "
         "as many as the ring has free slots)",
     )
+    p.add_argument(
+        "--clusters",
+        type=int,
+        nargs="+",
+        default=[1, 4, 8, 16],
+        help="cluster sizes of the edges designs (1: a phase reads its own block's outputs, no edge at all)",
+    )
+    p.add_argument("--only", nargs="+", default=None, help="run only designs whose name contains one of these")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the designs (best median kept)")
     return p
@@ -419,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     buf = start.clone()
     bar = torch.zeros(16 * 32, device=dev, dtype=torch.int32)  # up to 16 counters on lines of their own
     xb = torch.zeros(5 * 2048, device=dev, dtype=torch.int64)
+    sums = torch.zeros((2 * L + 88) * K, device=dev)  # the split-K and split designs' sums, a layer's (two) each
+    row_bytes: dict[str, int] = {}  # rows whose layer reads other than layer_bytes
     seq = [1]
     layer_bytes = NCH * P * ROWS * K * 2
     bandwidth = copy_bandwidth()
@@ -455,6 +591,73 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.get_device_capability(dev)[0] >= 9:  # cp.async.bulk
             runs["stream, CUDA C++, ring 6"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, True)
             runs["stream, CUDA C++, ring 6, no barriers"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, False)
+            runs.update(edge_runs(ext))
+            runs.update(split_runs(ext))
+        return runs
+
+    split_out = torch.zeros(K, device=dev)
+    split: dict[str, torch.Tensor] = {}  # name: the design's weights
+    split_steps: dict = {}  # name: its launch, given a stamps tensor
+
+    def launch_split_stamped(ext, Ws: torch.Tensor, mode: int, stamps: torch.Tensor) -> None:
+        ext.launch_split(Ws, start[:K], sums, bar, split_out, L, stamps, mode)
+
+    def split_runs(ext) -> dict:
+        Ws = split_weights(L, dev)
+        runs = {}
+        for mode, suffix in enumerate(
+            (
+                "",
+                ", MLP rows loaded after the attention side",
+                ", no attention bytes (timing only)",
+                ", MLP partial sums stored, not added (timing only)",
+                ", attention partial sums stored, not added (timing only)",
+            )
+        ):
+            name = "split: 2 grid edges a layer, the rest in clusters of 4 (Qwen3-0.6B's bytes at KV 1k)" + suffix
+            try:
+                ext.launch_split(Ws, start[:K], sums, bar, split_out, L, None, mode)
+            except RuntimeError as e:  # too few multiprocessors for 30 clusters of 4
+                print(f"{name}: skipped ({e})")
+                return {}
+            if mode < 2:
+                split[name] = Ws
+            row_bytes[name] = Ws.shape[1] * 2
+            split_steps[name] = functools.partial(launch_split_stamped, ext, Ws, mode)
+            runs[name] = functools.partial(ext.launch_split, Ws, start[:K], sums, bar, split_out, L, None, mode)
+        return runs
+
+    edges: dict[str, tuple[int, int, int, bool]] = {}  # name: programs, cluster, mask, split-K
+
+    def edge_runs(ext) -> dict:
+        """The edges designs: in clusters of n, as many blocks as the device holds at once, up to a multiple
+        of 16 (a cluster must sit within one GPC, so large clusters leave some multiprocessors out); each
+        block count also runs without clusters, as the control of its rows."""
+        pe = P - P % 16
+        designs = []
+        for n in args.clusters:
+            fits = {sk: ext.max_clusters(n, sk) for sk in (False, True)}
+            print(f"clusters of {n}: {fits[False]} resident at once ({fits[True]} with D+E as split-K)")
+            if min(fits.values()) * n < K // ROWS:  # every phase must write the 1,024 values the next reads
+                print(f"clusters of {n}: too few resident for the chain; skipped")
+                continue
+            for name, mask, split_k in [
+                ("B reads its cluster", 2, False),
+                ("B–E read their cluster", 30, False),
+                ("D+E as split-K, B reads its cluster", 2, True),
+            ]:
+                programs = min(pe, fits[split_k] * n)
+                for control in (False, True):
+                    designs.append(
+                        (f"edges, {programs} programs" + ("" if control else f", clusters of {n}, {name}"),
+                         programs, 1 if control else n, 0 if control else mask, split_k and not control)
+                    )  # fmt: skip
+        designs += [(f"edges, {pe} programs, D+E as split-K", pe, 1, 0, True)]
+        runs = {}
+        for name, programs, n, mask, split_k in designs:
+            if name not in edges:
+                edges[name] = (programs, n, mask, split_k)
+                runs[name] = functools.partial(ext.launch_edges, W, buf, sums, bar, L, programs, stride, n, mask, split_k)
         return runs
 
     runs = {
@@ -486,9 +689,13 @@ def main(argv: list[str] | None = None) -> int:
             "no Gluon warp specialization here (Triton with triton.experimental.gluon on Hopper): stream rows skipped"
         )
 
+    if args.only:
+        runs = {n: fn for n, fn in runs.items() if n == "barriers" or any(o in n for o in args.only)}
+
     def timed(fn) -> float:
         def once() -> float:
             bar.zero_()
+            sums.zero_()
             return cuda_time(fn)
 
         return statistics.median(once() for _ in range(args.repeats)) * 1e6 / L
@@ -503,8 +710,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in runs.items():
         buf.copy_(start)
         bar.zero_()
+        sums.zero_()
         fn()
-        if "no barriers" not in name:  # those race by design: timing only
+        if name in edges:
+            pe, n, mask, split_k = edges[name]
+            ref = reference(W, start[4 * stride : 4 * stride + K], pe, L, False, mask, n, split_k)
+            got = sums[(L - 1) * K : L * K] if split_k else buf[4 * stride : 4 * stride + pe * ROWS * CHUNKS[-1]]
+            errors[name] = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        elif name in split:
+            ref = split_reference(split[name], start[:K])
+            errors[name] = ((split_out.double() - ref).abs().max() / ref.abs().max()).item()
+        elif "no barriers" not in name and "timing only" not in name:  # those race by design
             ref = refs[name.startswith("flags")]
             errors[name] = ((buf[last].double() - ref).abs().max() / ref.abs().max()).item()
     torch.cuda.synchronize()
@@ -520,10 +736,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, fn in runs.items():
             best[name] = min(best.get(name, float("inf")), timed(fn))
+    for name, launch in split_steps.items():
+        print_split_steps(name, launch, L, dev, bar, sums)
     base = best["barriers"]
-    rows = [
-        [name, us, layer_bytes / (us * 1e-6) / 1e12, us / bytes_us, us / base] for name, us in best.items()
-    ]
+    rows = []
+    for name, us in best.items():
+        nbytes = layer_bytes * edges[name][0] / P if name in edges else row_bytes.get(name, layer_bytes)
+        rows.append([name, us, nbytes / (us * 1e-6) / 1e12, us / (nbytes / bandwidth * 1e6), us / base])
     print_table(
         ["design", "µs/layer", "TB/s", "× the bytes", "÷ barriers"],
         rows,

@@ -30,6 +30,13 @@ def test_designs_match_float64(monkeypatch, capsys):
     if "CUDA C++" in errors:  # a CUDA compiler here: the hand-written design and its split counters too
         assert "barriers, CUDA C++, 16 counters" in errors
         assert "stream, CUDA C++, ring 6" in errors
+        assert ", D+E as split-K" in errors  # reductions into the layer's sums
+        for n in (1, 4, 8, 16):  # each cluster size ran (its edge at B, at B-E, with split-K) or said why not
+            ran = [f"clusters of {n}, {rows}" in errors for rows in ("B reads", "B–E read", "D+E as split-K, B reads")]
+            assert all(ran) or (n > 1 and not any(ran) and f"clusters of {n}: too few resident" in out)
+        if "split: 2 grid edges" not in out.split("largest error")[0]:  # the split design fits: checked, stamped
+            assert "split: 2 grid edges a layer" in errors and "MLP rows loaded after the attention side" in errors
+            assert "µs a layer (medians over layers): attention: q/k/v rows" in out
     if "stream" in errors:  # Gluon here: the paced and the capped streams are checked too
         assert "stream, ring 3, paced" in errors
         assert "stream, ring 3, ≤ 16 KB in flight" in errors
