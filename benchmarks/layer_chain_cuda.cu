@@ -293,9 +293,9 @@ __device__ __forceinline__ void gather(const float* xs, int per, int lane, int s
 
 // A phase of C chunks; kSplitK (the fourth phase only) also runs the fifth as split-K into ``sums``.
 template <int C, bool kCluster, bool kSplitK>
-__device__ __forceinline__ void edge_phase(const __nv_bfloat16* W, const float* X, float* out, float* sums, unsigned* bar,
-                                           const float* xs_in, float* xs_out, int m_in, int layer, int j0,
-                                           unsigned edges, int programs, int pid) {
+__device__ __forceinline__ void edge_phase(const __nv_bfloat16* W, const float* X, float* out, float* sums,
+                                           unsigned* bar, const float* xs_in, float* xs_out, int m_in, int layer,
+                                           int j0, unsigned edges, int programs, int pid) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   if constexpr (kCluster) {
     cluster_arrive();
@@ -490,6 +490,12 @@ __device__ __forceinline__ void cluster_edge(unsigned* flags, unsigned tag) {
   consumers_sync();
 }
 
+__device__ __forceinline__ long long globaltimer() {
+  long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
 __global__ void __launch_bounds__(kConsumers + 32, 1)
     split_kernel(const __nv_bfloat16* W, const float* h0, float* sums, unsigned* bar, float* out, int layers,
                  long long* stamps, int mode) {
@@ -506,19 +512,12 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
   // %globaltimer at the chain's steps, by blocks 0 and 32 (16 a layer each), when stamps is given
   long long* mine = stamps && t == 0 && (b == 0 || b == kAttnBlocks) ? stamps + (b ? 8 : 0) : nullptr;
   auto stamp = [&](int layer, int k) {
-    if (mine) {
-      long long now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      mine[layer * 16 + k] = now;
-    }
+    if (mine) mine[layer * 16 + k] = globaltimer();
   };
   // every MLP block's times past the attention side's edge (k 0) and at its end (k 1), after the 16 a layer
   auto stamp_mlp = [&](int layer, int k) {
-    if (stamps && t == 0) {
-      long long now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      stamps[(layers + 1) * 16 + ((k * layers) + layer) * kMlpBlocks + b - kAttnBlocks] = now;
-    }
+    if (stamps && t == 0)
+      stamps[(layers + 1) * 16 + (k * layers + layer) * kMlpBlocks + b - kAttnBlocks] = globaltimer();
   };
   const int nslots = attn ? 6 : kMlpPieces;
   const unsigned full0 = smem_addr(smem + kMlpBytes), empty0 = full0 + 8 * 8;
@@ -785,10 +784,12 @@ void launch_split(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor
   C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, split_kernel, &config));
   TORCH_CHECK(fit * kRanks >= kSplitBlocks, "the split design needs ", kSplitBlocks, " blocks in clusters of ", kRanks,
               " resident at once; this device holds ", fit * kRanks);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, split_kernel, reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()),
+  long long* stamps_ptr = stamps ? reinterpret_cast<long long*>(stamps->data_ptr<int64_t>()) : nullptr;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, split_kernel,
+                                    reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()),
                                     h0.data_ptr<float>(), sums.data_ptr<float>(),
                                     reinterpret_cast<unsigned*>(bar.data_ptr<int>()), out.data_ptr<float>(),
-                                    static_cast<int>(layers), stamps ? reinterpret_cast<long long*>(stamps->data_ptr<int64_t>()) : nullptr, static_cast<int>(mode)));
+                                    static_cast<int>(layers), stamps_ptr, static_cast<int>(mode)));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
