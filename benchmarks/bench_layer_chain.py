@@ -542,6 +542,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+
+    def chosen(name: str) -> bool:
+        """Whether ``--only`` keeps this design (the first row, today's pattern, always runs)."""
+        return not args.only or name == "barriers" or any(o in name for o in args.only)
     if not torch.cuda.is_available() or triton is None:
         print("bench_layer_chain needs a CUDA device and Triton", file=sys.stderr)
         return 2
@@ -603,23 +607,29 @@ def main(argv: list[str] | None = None) -> int:
         ext.launch_split(Ws, start[:K], sums, bar, split_out, L, stamps, mode)
 
     def split_runs(ext) -> dict:
-        Ws = split_weights(L, dev)
-        runs = {}
-        for mode, suffix in enumerate(
-            (
+        base = "split: 2 grid edges a layer, the rest in clusters of 4 (Qwen3-0.6B's bytes at KV 1k)"
+        names = [
+            base + suffix
+            for suffix in (
                 "",
                 ", MLP rows loaded after the attention side",
                 ", no attention bytes (timing only)",
                 ", MLP partial sums stored, not added (timing only)",
                 ", attention partial sums stored, not added (timing only)",
             )
-        ):
-            name = "split: 2 grid edges a layer, the rest in clusters of 4 (Qwen3-0.6B's bytes at KV 1k)" + suffix
-            try:
-                ext.launch_split(Ws, start[:K], sums, bar, split_out, L, None, mode)
-            except RuntimeError as e:  # too few multiprocessors for 30 clusters of 4
-                print(f"{name}: skipped ({e})")
-                return {}
+        ]  # the kernel's modes 0-4
+        if not any(map(chosen, names)):
+            return {}
+        Ws = split_weights(L, dev)
+        try:
+            ext.launch_split(Ws, start[:K], sums, bar, split_out, L, None, 0)
+        except RuntimeError as e:  # too few multiprocessors for 30 clusters of 4
+            print(f"{base}: skipped ({e})")
+            return {}
+        runs = {}
+        for mode, name in enumerate(names):
+            if not chosen(name):
+                continue
             if mode < 2:
                 split[name] = Ws
             row_bytes[name] = Ws.shape[1] * 2
@@ -655,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         designs += [(f"edges, {pe} programs, D+E as split-K", pe, 1, 0, True)]
         runs = {}
         for name, programs, n, mask, split_k in designs:
-            if name not in edges:
+            if name not in edges and chosen(name):
                 edges[name] = (programs, n, mask, split_k)
                 runs[name] = functools.partial(ext.launch_edges, W, buf, sums, bar, L, programs, stride, n, mask, split_k)
         return runs
@@ -689,8 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             "no Gluon warp specialization here (Triton with triton.experimental.gluon on Hopper): stream rows skipped"
         )
 
-    if args.only:
-        runs = {n: fn for n, fn in runs.items() if n == "barriers" or any(o in n for o in args.only)}
+    runs = {name: fn for name, fn in runs.items() if chosen(name)}
 
     def timed(fn) -> float:
         def once() -> float:

@@ -110,23 +110,35 @@ __device__ __forceinline__ void load_tiles(const __nv_bfloat16* W, int layer, in
       }
 }
 
+// The dots of the tiles ``load_tiles`` gave against x, stored by lane 0 of each warp at their row of
+// the program's outputs (and, kShared, of ``shared``: the block's shared-memory copy).
+template <int C, bool kShared>
+__device__ __forceinline__ void store_dots(const uint4 (&w)[C][2][4], const float (&x)[4][8], float* out,
+                                           float* shared) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float acc = row_dot(w[c][i], x);
+      if (lane == 0) {
+        out[c * 16 + 2 * warp + i] = acc;
+        if constexpr (kShared) shared[c * 16 + 2 * warp + i] = acc;
+      }
+    }
+}
+
 template <int C, bool kEvictFirst, int kCounters>
 __device__ __forceinline__ void phase(const __nv_bfloat16* W, const float* X, float* out, unsigned* bar, int layer,
                                       int ph, int j0, int programs, int pid) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   arrive<kCounters>(bar);
   uint4 w[C][2][4];
   load_tiles<C, kEvictFirst>(W, layer, j0, programs, pid, w);
   wait_for<kCounters>(bar, static_cast<unsigned>(layer * 5 + ph + 1));
   float x[4][8];
   load_input(X, lane, x);
-#pragma unroll
-  for (int c = 0; c < C; ++c)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float acc = row_dot(w[c][i], x);
-      if (lane == 0) out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
-    }
+  store_dots<C, false>(w, x, out + pid * 16 * C, nullptr);
 }
 
 template <bool kEvictFirst, int kCounters>
@@ -296,7 +308,7 @@ template <int C, bool kCluster, bool kSplitK>
 __device__ __forceinline__ void edge_phase(const __nv_bfloat16* W, const float* X, float* out, float* sums,
                                            unsigned* bar, const float* xs_in, float* xs_out, int m_in, int layer,
                                            int j0, unsigned edges, int programs, int pid) {
-  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int t = threadIdx.x, lane = t & 31;
   if constexpr (kCluster) {
     cluster_arrive();
   } else {
@@ -324,16 +336,7 @@ __device__ __forceinline__ void edge_phase(const __nv_bfloat16* W, const float* 
   } else {
     load_input(X, lane, x);
   }
-#pragma unroll
-  for (int c = 0; c < C; ++c)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float acc = row_dot(w[c][i], x);
-      if (lane == 0) {
-        out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
-        xs_out[c * 16 + 2 * warp + i] = acc;
-      }
-    }
+  store_dots<C, true>(w, x, out + pid * 16 * C, xs_out);
   if constexpr (kSplitK) {
     __syncthreads();  // the block's outputs, written by each warp's lane 0
     float a[4] = {0.f, 0.f, 0.f, 0.f};
