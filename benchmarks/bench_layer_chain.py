@@ -15,8 +15,24 @@ layer on 132 SMs, as Qwen3-0.6B's 36 MB), writing the rows' dot products. Design
   release reduction and polls with acquire loads, warp shuffles sum the rows); ``N counters`` spreads
   the barrier's count over N counters on separate L2 lines, each polled by its own thread.
   ``stream, CUDA C++`` is the ``stream`` design below in the same file (a producer warp issues
-  ``cp.async.bulk`` copies, four of 8 KB per chunk, L2 evict-first, into six 32 KB slots; eight
-  consumer warps), with and without barriers.
+  ``cp.async.bulk`` copies, four of 8 KB per chunk, each with its own mbarrier, L2 evict-first,
+  into six 32 KB slots; eight consumer warps), with barriers, without (races), with ``tagged
+  inputs`` (below: no barrier at all) and, for timing only, with ``no inputs`` or the ``inputs
+  read once through shared memory`` whatever their tags (the tagged design's reads without its
+  waits). ``≤ N KB in flight``: the producer requests a copy only once the copy N / 8 before it has
+  landed, however many slots are free; ``slots released after the next input``: a phase's slots go
+  back to the producer only once the next phase's input is there (no copy requested while a block
+  waits).
+* ``tagged, CUDA C++``: no barriers. Each block hands its first eight outputs of a phase on as
+  32-bit words, the value rounded to bf16 in the low half and the phase's 16-bit tag in the high
+  half (one store, so a reader sees a word whole; the real kernel rounds every projection's output
+  to bf16 anyway), and the next phase polls every block's words until all tags are current: one L2
+  round trip once they are there. Each thread spins on its own 16 bytes, or the block checks all
+  words after each poll; the phase's weight rows go into registers before polling (as
+  ``barriers`` issues them) or once the input is there. Checked against float64 with the same
+  bf16 roundings: over ``SHORT_CHAIN`` layers or fewer end to end; over more, float32 sums flip
+  a few roundings and the flips grow (1.7–3.1e-2 after 28 layers), so the last phase is checked
+  against float64 from the words it was handed, each of which must carry its phase's tag.
 * ``flags``: no barriers: every word of a phase's input carries the phase's tag next to its value
   (8-byte words, as NCCL's low-latency protocol) and programs poll the input until every tag is
   current — one L2 round trip per phase instead of a barrier and a load. Weights evict-first.
@@ -71,6 +87,7 @@ Usage:
     python benchmarks/bench_layer_chain.py --ring 3 6 --layers 28 --repeats 20
     python benchmarks/bench_layer_chain.py --ring 6 --in-flight 0 8 16 24 32 64
     python benchmarks/bench_layer_chain.py --only edges split --clusters 1 2 4 8 16
+    python benchmarks/bench_layer_chain.py --only "stream, CUDA C++" tagged --in-flight 0
 """
 
 from __future__ import annotations
@@ -404,9 +421,11 @@ def reference(
     cluster_mask: int = 0,
     cluster: int = 1,
     split_k: bool = False,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """The last phase's outputs in float64, program-major: the input of each phase is the first
-    1,024 outputs of the phase before (``tagged``: the first eight of each program's, as ``flags``).
+    1,024 outputs of the phase before (``tagged``: the first eight of each program's, as ``flags``;
+    ``bf16``: rounded to bfloat16 on the way, as the CUDA ``tagged`` designs hand them on).
 
     A phase whose bit is set in ``cluster_mask`` reads instead, per program, its cluster's outputs of
     the phase before (``cluster`` programs' in turn, tiled to 1,024). ``split_k``: the fifth phase is
@@ -433,7 +452,26 @@ def reference(
                 out = torch.einsum("cprk,k->pcr", w, x)
             prev = out.reshape(programs, c * ROWS)
             x = (prev[:, :8] if tagged else prev).reshape(-1)[:K]
+            if bf16:
+                x = x.to(torch.bfloat16).double()
     return out.reshape(-1)
+
+
+SHORT_CHAIN = 4  # layers over which a bf16 hand-off stays within 1e-3 of float64 (no rounding flips yet)
+
+
+@torch.no_grad()
+def handed_on_error(W: torch.Tensor, xt: torch.Tensor, got: torch.Tensor, programs: int, layers: int, seq: int) -> float:
+    """The tagged designs' last phase against float64 from the bf16 words it was handed (the fourth
+    phase's, each of which must carry that phase's tag in launch ``seq``: else ``inf``)."""
+    words = xt[3 * 2048 : 3 * 2048 + programs * 8].long() & 0xFFFFFFFF
+    if not bool(((words >> 16) == 1 + (seq * 5 * layers + (layers - 1) * 5 + 3) % 65535).all()):
+        return float("inf")
+    x = ((words & 0xFFFF) << 16).int().view(torch.float32)[:K].double()
+    first = (layers - 1) * NCH + NCH - CHUNKS[-1]
+    w = W[first * programs * ROWS : (first + CHUNKS[-1]) * programs * ROWS].view(CHUNKS[-1], programs, ROWS, K)
+    ref = torch.einsum("cprk,k->pcr", w.double(), x).reshape(-1)
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
 SPLIT_HEADS, SPLIT_RANKS, SPLIT_MLP_BLOCKS, SPLIT_INTER = 8, 4, 88, 35  # as layer_chain_cuda.cu
@@ -557,9 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     buf = start.clone()
     bar = torch.zeros(16 * 32, device=dev, dtype=torch.int32)  # up to 16 counters on lines of their own
     xb = torch.zeros(5 * 2048, device=dev, dtype=torch.int64)
+    xt = torch.zeros(5 * 2048, device=dev, dtype=torch.int32)  # the CUDA tagged designs' words
     sums = torch.zeros((2 * L + SPLIT_MLP_BLOCKS) * K, device=dev)  # the split-K and split designs' sums
     row_bytes: dict[str, int] = {}  # rows whose layer reads other than layer_bytes
     seq = [1]
+    seq_tagged = [1]  # the CUDA tagged designs' launches: consecutive, so no tag of the launch before recurs
     layer_bytes = NCH * P * ROWS * K * 2
     bandwidth = copy_bandwidth()
     bytes_us = layer_bytes / bandwidth * 1e6
@@ -581,6 +621,14 @@ def main(argv: list[str] | None = None) -> int:
                             BARRIERS=barriers, INPUTS=inputs, PACED=paced, D=boxes_in_flight or ns * nb,
                             num_warps=8)  # fmt: skip
 
+    def tagged_launch(launch, *args, **kwargs) -> None:
+        """A CUDA C++ launch that takes ``seq`` (a fresh tag space) after its other arguments."""
+        seq_tagged[0] += 1
+        if kwargs:
+            launch(*args, seq_tagged[0], kwargs["early"], kwargs["poll"])
+        else:
+            launch(*args, seq_tagged[0])
+
     def cuda_runs() -> dict:
         ext = cuda_designs()
         if ext is None:
@@ -592,9 +640,28 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n in (4, 8, 16):
             runs[f"barriers, CUDA C++, {n} counters"] = functools.partial(ext.launch, W, buf, bar, L, P, stride, True, n)
+        for early in (True, False):
+            for poll in (0, 1):
+                name = "tagged, CUDA C++, weights issued " + ("before polling" if early else "once the input is there")
+                name += ", each thread spins on its own words" if poll == 0 else ", the block checks all words"
+                runs[name] = functools.partial(tagged_launch, ext.launch_tagged, W, buf, xt, L, P, stride,
+                                               early=early, poll=poll)  # fmt: skip
         if torch.cuda.get_device_capability(dev)[0] >= 9:  # cp.async.bulk
-            runs["stream, CUDA C++, ring 6"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, True)
-            runs["stream, CUDA C++, ring 6, no barriers"] = lambda: ext.launch_stream(W, buf, bar, L, P, stride, False)
+            for name, sync, ahead in (  # ahead: 8 KB copies requested and not yet landed, at most
+                ("", 1, 24),
+                (", no barriers", 0, 24),
+                (", tagged inputs", 2, 24),
+                (", no barriers, no inputs", 3, 24),
+                (", no barriers, inputs read once through shared memory", 4, 24),
+                (", tagged inputs, slots released after the next input", 5, 24),
+                (", no barriers, inputs read once through shared memory, slots released after the next read", 6, 24),
+                *((f", tagged inputs, ≤ {n * 8} KB in flight", 2, n) for n in (2, 3, 4, 6)),
+                (", ≤ 32 KB in flight", 1, 4),  # the cap with grid barriers: is it the cap or the tags?
+                *((f", no barriers, inputs read once through shared memory, ≤ {n * 8} KB in flight", 4, n) for n in (2, 3, 4)),
+            ):
+                runs[f"stream, CUDA C++, ring 6{name}"] = functools.partial(
+                    tagged_launch, ext.launch_stream, W, buf, bar, xt, L, P, stride, sync, ahead
+                )
             runs.update(edge_runs(ext))
             runs.update(split_runs(ext))
         return runs
@@ -711,11 +778,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # each synchronised design once from the same start, its last phase against float64
     last = slice(4 * stride, 4 * stride + P * ROWS * CHUNKS[-1])
-    refs = {  # flags' first phase reads ones (no tagged input yet), the others the start's last vector
-        False: reference(W, start[4 * stride : 4 * stride + K], P, L, False),
-        True: reference(W, torch.ones(K, device=dev), P, L, True),
+
+    def handoff(name: str) -> str:
+        """How the design hands a phase's outputs on: "flags" (tagged words), "bf16" (tagged bf16 words) or
+        "float32" (the phase's first 1,024 outputs)."""
+        return "flags" if name.startswith("flags") else "bf16" if "tagged" in name else "float32"
+
+    refs = {  # the tagged designs' first phase reads ones (no tagged input yet), the others the start's last vector
+        "float32": reference(W, start[4 * stride : 4 * stride + K], P, L, False),
+        "flags": reference(W, torch.ones(K, device=dev), P, L, True),
+        "bf16": reference(W, torch.ones(K, device=dev), P, L, True, bf16=True),
     }
-    errors = {}
+    errors, drift = {}, {}
     for name, fn in runs.items():
         buf.copy_(start)
         bar.zero_()
@@ -730,14 +804,25 @@ def main(argv: list[str] | None = None) -> int:
             ref = split_reference(split[name], start[:K])
             errors[name] = ((split_out.double() - ref).abs().max() / ref.abs().max()).item()
         elif "no barriers" not in name and "timing only" not in name:  # those race by design
-            ref = refs[name.startswith("flags")]
+            ref = refs[handoff(name)]
             errors[name] = ((buf[last].double() - ref).abs().max() / ref.abs().max()).item()
+            if handoff(name) == "bf16" and L > SHORT_CHAIN:
+                drift[name] = errors[name]
+                errors[name] = handed_on_error(W, xt, buf[last], P, L, seq_tagged[0])
     torch.cuda.synchronize()
     print(
         "largest error of the last phase against float64, relative to its largest value: "
         + "; ".join(f"{n} {e:.1e}" for n, e in errors.items()),
         flush=True,
     )
+    if drift:
+        print(
+            f"(designs handing bf16 on, over more than {SHORT_CHAIN} layers: the last phase against float64 from the "
+            "words it was handed, which all carry its input's tag; against the float64 chain with the same "
+            "roundings, where float32 sums flip some roundings and the flips grow: "
+            + "; ".join(f"{n} {e:.1e}" for n, e in drift.items())
+            + ")"
+        )
     if max(errors.values()) > 1e-3:
         print("a design computed something else: the timings below do not count", file=sys.stderr)
         return 1

@@ -10,6 +10,8 @@
 // 16-row chunk; lane l columns l*8 + k*256 .. +8, k < 4), store.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <algorithm>
+#include <tuple>
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -154,9 +156,193 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
+// ---- tagged: no grid barrier. Each block hands its first eight outputs of a phase on as 32-bit
+// words, the value rounded to bf16 in the low half and the phase's 16-bit tag in the high half (one
+// store: a reader sees a word whole), and the next phase polls every block's words until all tags are
+// current: one L2 round trip once they are there, where a barrier takes its arrival, its poll and
+// then the input load. (The real kernel rounds each projection's output to bf16 anyway.) Every
+// block's words are waited on, so no block can fall a layer behind: a phase's words are rewritten
+// five phases later, when every block has read them. kPoll 0: each thread spins on its own words,
+// then one block barrier; 1: the block checks every word after each poll. kEarly: the phase's weight
+// rows are issued before polling (as the barriers design issues them between arriving and waiting),
+// otherwise once the input is there.
+
+constexpr unsigned kSpinLimit = 1u << 20;  // bounded polls: a lost word gives wrong outputs, not a hang
+
+__device__ __forceinline__ uint4 ld_relaxed(const unsigned* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool current(const uint4& v, unsigned tag) {
+  return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
+}
+
+// The 256 consumer threads of a block whose last warp is a producer (named barrier 1).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// An "and" over the polling threads: the whole block, or (beside a producer warp) the consumers.
+template <bool kWholeBlock>
+__device__ __forceinline__ bool threads_and(bool ok) {
+  if constexpr (kWholeBlock) {
+    return __syncthreads_and(ok);
+  } else {
+    unsigned all;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 1, 256, p;\n selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(all)
+        : "r"(static_cast<unsigned>(ok))
+        : "memory");
+    return all != 0;
+  }
+}
+
+template <bool kWholeBlock>
+__device__ __forceinline__ void threads_sync() {
+  if constexpr (kWholeBlock) {
+    __syncthreads();
+  } else {
+    consumers_sync();
+  }
+}
+
+// Wait until ``words`` tagged words of ``X`` (a multiple of 4, at most 2,048) carry ``tag``; the
+// first 1,024 values go to ``xs`` (shared memory) as float32. Threads 0-255 poll. (kPoll 2: no polling,
+// one read of the first 1,024 words whatever their tags: timing only.)
+template <int kPoll, bool kWholeBlock>
+__device__ __forceinline__ void poll_tagged(const unsigned* X, unsigned tag, int words, float* xs) {
+  const int t = threadIdx.x, groups = words / 4;
+  uint4 v[2];
+  if constexpr (kPoll == 2) {  // one read, whatever it holds (timing only: races)
+    v[0] = ld_relaxed(X + 4 * t);
+  } else if constexpr (kPoll == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int g = t + r * 256;
+      if (g < groups) {
+        unsigned spins = 0;
+        do v[r] = ld_relaxed(X + 4 * g);
+        while (!current(v[r], tag) && ++spins < kSpinLimit);
+      }
+    }
+  } else {
+    bool done = false;
+    for (unsigned spins = 0; !done && spins < kSpinLimit; ++spins) {
+      bool ok = true;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int g = t + r * 256;
+        if (g < groups) {
+          v[r] = ld_relaxed(X + 4 * g);
+          ok = ok && current(v[r], tag);
+        }
+      }
+      done = threads_and<kWholeBlock>(ok);
+    }
+  }
+  if (t < kCols / 4)
+    *reinterpret_cast<float4*>(xs + 4 * t) =
+        make_float4(__uint_as_float(v[0].x << 16), __uint_as_float(v[0].y << 16), __uint_as_float(v[0].z << 16),
+                    __uint_as_float(v[0].w << 16));
+  threads_sync<kWholeBlock>();
+}
+
+// load_input's layout, from the block's shared-memory copy.
+__device__ __forceinline__ void load_input_shared(const float* xs, int lane, float (&x)[4][8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float4 a = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256);
+    const float4 b = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256 + 4);
+    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
+    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
+  }
+}
+
+// The first phase of a launch reads ones (no tagged input yet), as the flags design.
+__device__ __forceinline__ void ones(float (&x)[4][8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[k][e] = 1.f;
+}
+
+// The tag of global phase g (layer * 5 + phase) of launch ``seq``: never 0 (the buffers start
+// zeroed) and, for 468 launches of 28 layers, never a tag of another launch.
+__device__ __forceinline__ unsigned phase_tag(unsigned seq, int layers, int g) {
+  return 1u + (seq * 5u * layers + g) % 65535u;
+}
+
+// The input of global phase g: ones, or the tagged words of the phase before, polled (``xs``: 2 × 1,024).
+template <int kPoll, bool kWholeBlock>
+__device__ __forceinline__ void tagged_input(const unsigned* X, float* xs, unsigned seq, int layers, int g,
+                                             int programs, float (&x)[4][8]) {
+  if (g == 0) {
+    ones(x);
+  } else {
+    float* half = xs + (g & 1) * kCols;  // two copies: a warp may poll the next phase's before all have read this
+    poll_tagged<kPoll, kWholeBlock>(X, phase_tag(seq, layers, g - 1), programs * 8, half);
+    load_input_shared(half, threadIdx.x & 31, x);
+  }
+}
+
+// Row ``row`` (< 8) of the block's first chunk, handed on: bf16 value and tag in one word.
+__device__ __forceinline__ void hand_on(unsigned* XN, int pid, int row, float acc, unsigned tag) {
+  const unsigned word = (tag << 16) | __bfloat16_as_ushort(__float2bfloat16_rn(acc));
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(XN + pid * 8 + row), "r"(word) : "memory");
+}
+
+template <int C, bool kEarly, int kPoll>
+__device__ __forceinline__ void tagged_phase(const __nv_bfloat16* W, const unsigned* X, unsigned* XN, float* out,
+                                             float* xs, unsigned seq, int layers, int layer, int ph, int j0,
+                                             int programs, int pid) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = layer * 5 + ph;
+  uint4 w[C][2][4];
+  if constexpr (kEarly) load_tiles<C, true>(W, layer, j0, programs, pid, w);
+  float x[4][8];
+  tagged_input<kPoll, true>(X, xs, seq, layers, g, programs, x);
+  if constexpr (!kEarly) load_tiles<C, true>(W, layer, j0, programs, pid, w);
+  const unsigned tag = phase_tag(seq, layers, g);
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float acc = row_dot(w[c][i], x);
+      if (lane == 0) {
+        if (c == 0 && warp < 4) hand_on(XN, pid, 2 * warp + i, acc, tag);
+        out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
+      }
+    }
+}
+
+template <bool kEarly, int kPoll>
+__global__ void __launch_bounds__(256, 1)
+    tagged_kernel(const __nv_bfloat16* W, float* buf, unsigned* xt, unsigned seq, int layers, int stride) {
+  __shared__ __align__(16) float xs[2 * kCols];
+  const int pid = blockIdx.x, programs = gridDim.x;
+  for (int layer = 0; layer < layers; ++layer) {
+    tagged_phase<2, kEarly, kPoll>(W, xt + 4 * 2048, xt + 0 * 2048, buf + 0 * stride, xs, seq, layers, layer, 0, 0,
+                                   programs, pid);
+    tagged_phase<1, kEarly, kPoll>(W, xt + 0 * 2048, xt + 1 * 2048, buf + 1 * stride, xs, seq, layers, layer, 1, 2,
+                                   programs, pid);
+    tagged_phase<1, kEarly, kPoll>(W, xt + 1 * 2048, xt + 2 * 2048, buf + 2 * stride, xs, seq, layers, layer, 2, 3,
+                                   programs, pid);
+    tagged_phase<3, kEarly, kPoll>(W, xt + 2 * 2048, xt + 3 * 2048, buf + 3 * stride, xs, seq, layers, layer, 3, 4,
+                                   programs, pid);
+    tagged_phase<2, kEarly, kPoll>(W, xt + 3 * 2048, xt + 4 * 2048, buf + 4 * stride, xs, seq, layers, layer, 4, 7,
+                                   programs, pid);
+  }
+}
+
 // ---- The stream in CUDA C++: a producer warp copies every chunk by cp.async.bulk into a ring of
-// kSlots 32 KB shared-memory slots (L2 evict-first), eight consumer warps run the barrier, the input
-// load and the dots from shared memory (bench_layer_chain.py's Gluon "stream", without Gluon).
+// kSlots 32 KB shared-memory slots (L2 evict-first; four 8 KB copies a chunk, each with its own
+// mbarrier), eight consumer warps run the barrier (or poll the tagged input), the input load and the
+// dots from shared memory (bench_layer_chain.py's Gluon "stream", without Gluon). The producer may
+// cap the copies it has requested and not yet received (``ahead``), however many slots are free:
+// session 38 found that cap (32 KB a block) is what lets the tagged stream beat today's pattern.
 
 constexpr int kSlots = 6;
 constexpr int kChunkBytes = 16 * kCols * 2;
@@ -176,8 +362,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
       : "memory");
 }
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
 // The grid barrier of designs with a producer warp: only the consumer warps take part.
 __device__ __forceinline__ void grid_arrive(unsigned* counter) {
   consumers_sync();  // the consumer warps' writes and reductions precede the arrival
@@ -189,20 +373,37 @@ __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned targ
   consumers_sync();
 }
 
-template <int C, bool kBarriers>
+// kSync: 0 none (races: timing only), 1 grid barriers among the consumer warps, 2 tagged inputs; timing
+// only: 3 no input at all (ones), 4 the tagged words read once into shared memory without their tags checked.
+// kDefer: a phase's slots go back to the producer only once the next phase's input is there (``held``: how
+// many slots, ending at chunk i, are still held), so that no copy is requested while the block waits.
+template <int C, int kSync, bool kDefer>
 __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned full0, unsigned empty0, const float* X,
-                                            float* out, unsigned* bar, int layer, int ph, int i, int pid) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if constexpr (kBarriers) {
-    grid_arrive(bar);
-    grid_wait(bar, static_cast<unsigned>((layer * 5 + ph + 1) * gridDim.x));
-  }
+                                            float* out, unsigned* bar, const unsigned* XT, unsigned* XTN, float* xs,
+                                            unsigned seq, int layers, int layer, int ph, int i, int pid, int& held) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = layer * 5 + ph;
   float x[4][8];
-  load_input(X, lane, x);
+  if constexpr (kSync == 2 || kSync == 4) {
+    tagged_input<kSync == 2 ? 0 : 2, false>(XT, xs, seq, layers, g, gridDim.x, x);
+  } else if constexpr (kSync == 3) {
+    ones(x);
+  } else {
+    if constexpr (kSync == 1) {
+      grid_arrive(bar);
+      grid_wait(bar, static_cast<unsigned>((g + 1) * gridDim.x));
+    }
+    load_input(X, lane, x);
+  }
+  if constexpr (kDefer) {
+    if (lane == 0)
+      for (int j = i - held; j < i; ++j)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + (j % kSlots) * 8) : "memory");
+    held = C;
+  }
 #pragma unroll
   for (int c = 0; c < C; ++c, ++i) {
     const int slot = i % kSlots;
-    mbar_wait(full0 + slot * 8, (i / kSlots) & 1);
+    mbar_wait(full0 + (slot * kPieces + warp / 2) * 8, (i / kSlots) & 1);  // the copy that holds the warp's rows
     const unsigned char* chunk = ring + slot * kChunkBytes;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -212,25 +413,31 @@ __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned 
       for (int k = 0; k < 4; ++k)
         w[k] = *reinterpret_cast<const uint4*>(chunk + (row * kCols + lane * 8 + k * 256) * 2);
       const float acc = row_dot(w, x);
-      if (lane == 0) out[pid * 16 * C + c * 16 + row] = acc;
+      if (lane == 0) {
+        if ((kSync == 2 || kSync == 4) && c == 0 && row < 8) hand_on(XTN, pid, row, acc, phase_tag(seq, layers, g));
+        out[pid * 16 * C + c * 16 + row] = acc;
+      }
     }
     __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + slot * 8) : "memory");
+    if (!kDefer && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + slot * 8) : "memory");
   }
   return i;
 }
 
-template <bool kBarriers>
+template <int kSync, bool kDefer>
 __global__ void __launch_bounds__(kConsumers + 32, 1)
-    stream_kernel(const __nv_bfloat16* W, float* buf, unsigned* bar, int layers, int stride) {
+    stream_kernel(const __nv_bfloat16* W, float* buf, unsigned* bar, unsigned* xt, unsigned seq, int layers,
+                  int stride, int ahead) {
   extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(16) float xs[2 * kCols];
   unsigned char* ring = smem;
-  const unsigned full0 = smem_addr(smem + kSlots * kChunkBytes);
-  const unsigned empty0 = full0 + kSlots * 8;
+  const unsigned full0 = smem_addr(smem + kSlots * kChunkBytes);  // one barrier per copy (4 rows), slot-major
+  const unsigned empty0 = full0 + kSlots * kPieces * 8;
   const int pid = blockIdx.x, programs = gridDim.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + s * 8));
+      for (int piece = 0; piece < kPieces; ++piece)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + (s * kPieces + piece) * 8));
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(empty0 + s * 8));  // one per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -245,28 +452,37 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
         for (int j = 0; j < kChunks; ++j, ++i) {
           const int slot = i % kSlots;
           mbar_wait(empty0 + slot * 8, ((i / kSlots) & 1) ^ 1);
-          const unsigned full = full0 + slot * 8;
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(kChunkBytes)
-                       : "memory");
           const long row0 = (static_cast<long>(layer * kChunks + j) * programs + pid) * 16;
-          for (int piece = 0; piece < kPieces; ++piece)  // several copies in flight per chunk
+          for (int piece = 0; piece < kPieces; ++piece) {  // several copies in flight per chunk
+            const int q = i * kPieces + piece, o = q - ahead;
+            if (o >= 0)  // at most ``ahead`` copies requested and not yet landed (copy o's barrier is not re-armed yet)
+              mbar_wait(full0 + ((o / kPieces) % kSlots * kPieces + o % kPieces) * 8, (o / kPieces / kSlots) & 1);
+            const unsigned full = full0 + (slot * kPieces + piece) * 8;
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(kChunkBytes / kPieces)
+                         : "memory");
             asm volatile(
                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
                 " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(ring + slot * kChunkBytes + piece * (kChunkBytes / kPieces))),
                 "l"(W + row0 * kCols + piece * (kChunkBytes / kPieces / 2)), "r"(kChunkBytes / kPieces), "r"(full),
                 "l"(policy)
                 : "memory");
+          }
         }
     }
     return;
   }
-  int i = 0;
+  int i = 0, held = 0;
   for (int layer = 0; layer < layers; ++layer) {
-    i = stream_phase<2, kBarriers>(ring, full0, empty0, buf + 4 * stride, buf + 0 * stride, bar, layer, 0, i, pid);
-    i = stream_phase<1, kBarriers>(ring, full0, empty0, buf + 0 * stride, buf + 1 * stride, bar, layer, 1, i, pid);
-    i = stream_phase<1, kBarriers>(ring, full0, empty0, buf + 1 * stride, buf + 2 * stride, bar, layer, 2, i, pid);
-    i = stream_phase<3, kBarriers>(ring, full0, empty0, buf + 2 * stride, buf + 3 * stride, bar, layer, 3, i, pid);
-    i = stream_phase<2, kBarriers>(ring, full0, empty0, buf + 3 * stride, buf + 4 * stride, bar, layer, 4, i, pid);
+    i = stream_phase<2, kSync, kDefer>(ring, full0, empty0, buf + 4 * stride, buf + 0 * stride, bar, xt + 4 * 2048,
+                               xt + 0 * 2048, xs, seq, layers, layer, 0, i, pid, held);
+    i = stream_phase<1, kSync, kDefer>(ring, full0, empty0, buf + 0 * stride, buf + 1 * stride, bar, xt + 0 * 2048,
+                               xt + 1 * 2048, xs, seq, layers, layer, 1, i, pid, held);
+    i = stream_phase<1, kSync, kDefer>(ring, full0, empty0, buf + 1 * stride, buf + 2 * stride, bar, xt + 1 * 2048,
+                               xt + 2 * 2048, xs, seq, layers, layer, 2, i, pid, held);
+    i = stream_phase<3, kSync, kDefer>(ring, full0, empty0, buf + 2 * stride, buf + 3 * stride, bar, xt + 2 * 2048,
+                               xt + 3 * 2048, xs, seq, layers, layer, 3, i, pid, held);
+    i = stream_phase<2, kSync, kDefer>(ring, full0, empty0, buf + 3 * stride, buf + 4 * stride, bar, xt + 3 * 2048,
+                               xt + 4 * 2048, xs, seq, layers, layer, 4, i, pid, held);
   }
 }
 
@@ -657,20 +873,63 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
 
 }  // namespace
 
-void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, int64_t layers, int64_t programs,
-                   int64_t stride, bool barriers) {
+template <int kSync, bool kDefer = false>
+void stream_with(const __nv_bfloat16* w, float* buf, unsigned* bar, unsigned* xt, unsigned seq, int layers,
+                 int programs, int stride, int ahead, cudaStream_t stream) {
+  const int bytes = kSlots * kChunkBytes + (kPieces + 1) * kSlots * 8;
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(stream_kernel<kSync, kDefer>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  stream_kernel<kSync, kDefer><<<programs, kConsumers + 32, bytes, stream>>>(w, buf, bar, xt, seq, layers, stride, ahead);
+}
+
+// sync: as stream_phase's kSync; 5 and 6 are 2 and 4 with kDefer; ahead: 8 KB copies the producer may
+// have requested and not yet received, 1 to the ring's 24 (``xt``: int32 [5 * 2048], zeroed once; ``seq``
+// new for each launch).
+void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, torch::Tensor& xt, int64_t layers,
+                   int64_t programs, int64_t stride, int64_t sync, int64_t ahead, int64_t seq) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
-  const int bytes = kSlots * kChunkBytes + 2 * kSlots * 8;
+  TORCH_CHECK(xt.scalar_type() == torch::kInt32 && xt.numel() >= 5 * 2048, "xt: int32 [5 * 2048]");
+  TORCH_CHECK(sync < 2 || sync == 3 || (programs * 8 >= kCols && programs * 8 <= 2048), "programs: 128 to 256 for tagged inputs "
+              "(eight words each make up the next phase's 1,024), not ", programs);
   const auto stream = at::cuda::getCurrentCUDAStream();
   auto* w = reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>());
   auto* b = reinterpret_cast<unsigned*>(bar.data_ptr<int>());
-  if (barriers) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    stream_kernel<true><<<programs, kConsumers + 32, bytes, stream>>>(w, buf.data_ptr<float>(), b, layers, stride);
-  } else {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    stream_kernel<false><<<programs, kConsumers + 32, bytes, stream>>>(w, buf.data_ptr<float>(), b, layers, stride);
+  auto* x = reinterpret_cast<unsigned*>(xt.data_ptr<int>());
+  const auto args = std::make_tuple(w, buf.data_ptr<float>(), b, x, static_cast<unsigned>(seq),
+                                    static_cast<int>(layers), static_cast<int>(programs), static_cast<int>(stride),
+                                    static_cast<int>(std::clamp<int64_t>(ahead, 1, kSlots * kPieces)), stream);
+  switch (sync) {
+    case 0: std::apply(stream_with<0>, args); break;
+    case 1: std::apply(stream_with<1>, args); break;
+    case 2: std::apply(stream_with<2>, args); break;
+    case 3: std::apply(stream_with<3>, args); break;
+    case 4: std::apply(stream_with<4>, args); break;
+    case 5: std::apply(stream_with<2, true>, args); break;  // tagged inputs, slots released after the next poll
+    case 6: std::apply(stream_with<4, true>, args); break;  // 4, slots released after the next read
+    default: TORCH_CHECK(false, "sync: 0 to 6, not ", sync);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The tagged design (``xt`` and ``seq`` as launch_stream's); early: weight rows issued before polling;
+// poll: 0 each thread spins on its own words, 1 the block checks all after each poll.
+void launch_tagged(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& xt, int64_t layers, int64_t programs,
+                   int64_t stride, int64_t seq, bool early, int64_t poll) {
+  TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
+  TORCH_CHECK(xt.scalar_type() == torch::kInt32 && xt.numel() >= 5 * 2048, "xt: int32 [5 * 2048]");
+  TORCH_CHECK(programs * 8 >= kCols && programs * 8 <= 2048, "programs: 128 to 256 (eight words each make up the "
+              "next phase's 1,024), not ", programs);
+  TORCH_CHECK(poll == 0 || poll == 1, "poll: 0 or 1, not ", poll);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto* w = reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>());
+  auto* x = reinterpret_cast<unsigned*>(xt.data_ptr<int>());
+  const auto sq = static_cast<unsigned>(seq);
+  const int l = static_cast<int>(layers), st = static_cast<int>(stride);
+  float* out = buf.data_ptr<float>();
+  if (early && poll == 0) tagged_kernel<true, 0><<<programs, 256, 0, stream>>>(w, out, x, sq, l, st);
+  if (early && poll == 1) tagged_kernel<true, 1><<<programs, 256, 0, stream>>>(w, out, x, sq, l, st);
+  if (!early && poll == 0) tagged_kernel<false, 0><<<programs, 256, 0, stream>>>(w, out, x, sq, l, st);
+  if (!early && poll == 1) tagged_kernel<false, 1><<<programs, 256, 0, stream>>>(w, out, x, sq, l, st);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -797,7 +1056,8 @@ void launch_split(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch", &launch, "the barriers design in CUDA C++");
-  m.def("launch_stream", &launch_stream, "the stream design in CUDA C++");
+  m.def("launch_stream", &launch_stream, "the stream design in CUDA C++ (no sync, barriers or tagged inputs)");
+  m.def("launch_tagged", &launch_tagged, "the tagged design: inputs polled by their tags, no grid barrier");
   m.def("launch_edges", &launch_edges, "the barriers design with cluster edges and split-K");
   m.def("max_clusters", &max_clusters, "clusters of the edges design resident at once");
   m.def("launch_split", &launch_split, "the split design (Qwen3-0.6B bytes, two grid edges a layer)");

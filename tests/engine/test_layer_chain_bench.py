@@ -30,6 +30,10 @@ def test_designs_match_float64(monkeypatch, capsys):
     if "CUDA C++" in errors:  # a CUDA compiler here: the hand-written design and its split counters too
         assert "barriers, CUDA C++, 16 counters" in errors
         assert "stream, CUDA C++, ring 6" in errors
+        assert "stream, CUDA C++, ring 6, tagged inputs" in errors  # polled bf16 words, end to end over 3 layers
+        for early in ("before polling", "once the input is there"):
+            for poll in ("each thread spins on its own words", "the block checks all words"):
+                assert f"tagged, CUDA C++, weights issued {early}, {poll}" in errors
         assert ", D+E as split-K" in errors  # reductions into the layer's sums
         for n in (1, 4, 8, 16):  # each cluster size ran (its edge at B, at B-E, with split-K) or said why not
             ran = [f"clusters of {n}, {rows}" in errors for rows in ("B reads", "B–E read", "D+E as split-K, B reads")]
