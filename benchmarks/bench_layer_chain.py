@@ -96,10 +96,9 @@ import argparse
 import functools
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from gpu_shapes import copy_bandwidth, cuda_time, device_line, print_table
+from gpu_shapes import copy_bandwidth, cuda_extension, cuda_time, device_line, print_table
 
 try:
     import triton
@@ -398,19 +397,6 @@ if gluon is not None:
         ], [1], [48])  # fmt: skip
 
 
-def cuda_designs():
-    """``layer_chain_cuda.cu`` built for this device (on first use, ~1 min), or None without a CUDA compiler."""
-    from torch.utils.cpp_extension import CUDA_HOME, load
-
-    if CUDA_HOME is None:
-        return None
-    return load(
-        name="layer_chain_cuda",
-        sources=[str(Path(__file__).with_name("layer_chain_cuda.cu"))],
-        extra_cuda_cflags=["-O3"],
-    )
-
-
 @torch.no_grad()
 def reference(
     W: torch.Tensor,
@@ -630,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             launch(*args, seq_tagged[0])
 
     def cuda_runs() -> dict:
-        ext = cuda_designs()
+        ext = cuda_extension("layer_chain_cuda.cu")  # ~1 min to build on first use
         if ext is None:
             print("no CUDA compiler (CUDA_HOME): the CUDA C++ rows are skipped")
             return {}

@@ -116,6 +116,17 @@ def save_random_model(
     return path
 
 
+def cuda_extension(source: str):
+    """``benchmarks/<source>`` (a CUDA C++ torch extension) built for this device on first use, or None
+    without a CUDA compiler (``CUDA_HOME``)."""
+    from torch.utils.cpp_extension import CUDA_HOME, load
+
+    if CUDA_HOME is None:
+        return None
+    path = Path(__file__).with_name(source)
+    return load(name=path.stem, sources=[str(path)], extra_cuda_cflags=["-O3"])
+
+
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()

@@ -15,9 +15,13 @@
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 
+#include "bulk_stream.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
+
+using namespace bulk_stream;
 
 constexpr int kCols = 1024;
 constexpr int kChunks = 9;  // chunks per program per layer: 2 + 1 + 1 + 3 + 2
@@ -74,26 +78,6 @@ __device__ __forceinline__ void load_input(const float* X, int lane, float (&x)[
   }
 }
 
-// A row's dot product: the lane's KB 16-byte pieces of the row (8 bf16 each) against its inputs,
-// summed over the warp (every lane gets the sum).
-template <int KB>
-__device__ __forceinline__ float row_dot(const uint4 (&w)[KB], const float (&x)[KB][8]) {
-  float acc = 0.f;
-#pragma unroll
-  for (int k = 0; k < KB; ++k) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[k]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(h[e]);
-      acc = fmaf(f.x, x[k][2 * e], acc);
-      acc = fmaf(f.y, x[k][2 * e + 1], acc);
-    }
-  }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  return acc;
-}
-
 // The lane's pieces of the program's C chunks of phase rows starting at chunk j0 (warp w: rows 2w and
 // 2w+1 of each chunk), into registers.
 template <int C, bool kEvictFirst>
@@ -112,22 +96,29 @@ __device__ __forceinline__ void load_tiles(const __nv_bfloat16* W, int layer, in
       }
 }
 
-// The dots of the tiles ``load_tiles`` gave against x, stored by lane 0 of each warp at their row of
-// the program's outputs (and, kShared, of ``shared``: the block's shared-memory copy).
-template <int C, bool kShared>
-__device__ __forceinline__ void store_dots(const uint4 (&w)[C][2][4], const float (&x)[4][8], float* out,
-                                           float* shared) {
+// The dots of the tiles ``load_tiles`` gave against x, each passed by lane 0 of its warp to
+// ``use(row, acc)``, row counted in the program's C * 16 outputs.
+template <int C, typename Use>
+__device__ __forceinline__ void each_dot(const uint4 (&w)[C][2][4], const float (&x)[4][8], Use use) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
   for (int c = 0; c < C; ++c)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float acc = row_dot(w[c][i], x);
-      if (lane == 0) {
-        out[c * 16 + 2 * warp + i] = acc;
-        if constexpr (kShared) shared[c * 16 + 2 * warp + i] = acc;
-      }
+      if (lane == 0) use(c * 16 + 2 * warp + i, acc);
     }
+}
+
+// The dots stored at their row of the program's outputs (and, kShared, of ``shared``: the block's
+// shared-memory copy).
+template <int C, bool kShared>
+__device__ __forceinline__ void store_dots(const uint4 (&w)[C][2][4], const float (&x)[4][8], float* out,
+                                           float* shared) {
+  each_dot(w, x, [&](int row, float acc) {
+    out[row] = acc;
+    if constexpr (kShared) shared[row] = acc;
+  });
 }
 
 template <int C, bool kEvictFirst, int kCounters>
@@ -167,24 +158,6 @@ __global__ void __launch_bounds__(256, 1)
 // rows are issued before polling (as the barriers design issues them between arriving and waiting),
 // otherwise once the input is there.
 
-constexpr unsigned kSpinLimit = 1u << 20;  // bounded polls: a lost word gives wrong outputs, not a hang
-
-__device__ __forceinline__ uint4 ld_relaxed(const unsigned* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ bool current(const uint4& v, unsigned tag) {
-  return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
-}
-
-// The 256 consumer threads of a block whose last warp is a producer (named barrier 1).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
-
 // An "and" over the polling threads: the whole block, or (beside a producer warp) the consumers.
 template <bool kWholeBlock>
 __device__ __forceinline__ bool threads_and(bool ok) {
@@ -218,16 +191,12 @@ __device__ __forceinline__ void poll_tagged(const unsigned* X, unsigned tag, int
   const int t = threadIdx.x, groups = words / 4;
   uint4 v[2];
   if constexpr (kPoll == 2) {  // one read, whatever it holds (timing only: races)
-    v[0] = ld_relaxed(X + 4 * t);
+    v[0] = load_words(X + 4 * t);
   } else if constexpr (kPoll == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int g = t + r * 256;
-      if (g < groups) {
-        unsigned spins = 0;
-        do v[r] = ld_relaxed(X + 4 * g);
-        while (!current(v[r], tag) && ++spins < kSpinLimit);
-      }
+      if (g < groups) v[r] = spin_for(X + 4 * g, tag);
     }
   } else {
     bool done = false;
@@ -237,29 +206,15 @@ __device__ __forceinline__ void poll_tagged(const unsigned* X, unsigned tag, int
       for (int r = 0; r < 2; ++r) {
         const int g = t + r * 256;
         if (g < groups) {
-          v[r] = ld_relaxed(X + 4 * g);
+          v[r] = load_words(X + 4 * g);
           ok = ok && current(v[r], tag);
         }
       }
       done = threads_and<kWholeBlock>(ok);
     }
   }
-  if (t < kCols / 4)
-    *reinterpret_cast<float4*>(xs + 4 * t) =
-        make_float4(__uint_as_float(v[0].x << 16), __uint_as_float(v[0].y << 16), __uint_as_float(v[0].z << 16),
-                    __uint_as_float(v[0].w << 16));
+  if (t < kCols / 4) *reinterpret_cast<float4*>(xs + 4 * t) = word_values(v[0]);
   threads_sync<kWholeBlock>();
-}
-
-// load_input's layout, from the block's shared-memory copy.
-__device__ __forceinline__ void load_input_shared(const float* xs, int lane, float (&x)[4][8]) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float4 a = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256);
-    const float4 b = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256 + 4);
-    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
-    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
-  }
 }
 
 // The first phase of a launch reads ones (no tagged input yet), as the flags design.
@@ -285,37 +240,30 @@ __device__ __forceinline__ void tagged_input(const unsigned* X, float* xs, unsig
   } else {
     float* half = xs + (g & 1) * kCols;  // two copies: a warp may poll the next phase's before all have read this
     poll_tagged<kPoll, kWholeBlock>(X, phase_tag(seq, layers, g - 1), programs * 8, half);
-    load_input_shared(half, threadIdx.x & 31, x);
+    lane_slice(half, threadIdx.x & 31, x);
   }
 }
 
 // Row ``row`` (< 8) of the block's first chunk, handed on: bf16 value and tag in one word.
 __device__ __forceinline__ void hand_on(unsigned* XN, int pid, int row, float acc, unsigned tag) {
-  const unsigned word = (tag << 16) | __bfloat16_as_ushort(__float2bfloat16_rn(acc));
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(XN + pid * 8 + row), "r"(word) : "memory");
+  store_word(XN + pid * 8 + row, tagged_word(acc, tag));
 }
 
 template <int C, bool kEarly, int kPoll>
 __device__ __forceinline__ void tagged_phase(const __nv_bfloat16* W, const unsigned* X, unsigned* XN, float* out,
                                              float* xs, unsigned seq, int layers, int layer, int ph, int j0,
                                              int programs, int pid) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = layer * 5 + ph;
+  const int g = layer * 5 + ph;
   uint4 w[C][2][4];
   if constexpr (kEarly) load_tiles<C, true>(W, layer, j0, programs, pid, w);
   float x[4][8];
   tagged_input<kPoll, true>(X, xs, seq, layers, g, programs, x);
   if constexpr (!kEarly) load_tiles<C, true>(W, layer, j0, programs, pid, w);
   const unsigned tag = phase_tag(seq, layers, g);
-#pragma unroll
-  for (int c = 0; c < C; ++c)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float acc = row_dot(w[c][i], x);
-      if (lane == 0) {
-        if (c == 0 && warp < 4) hand_on(XN, pid, 2 * warp + i, acc, tag);
-        out[pid * 16 * C + c * 16 + 2 * warp + i] = acc;
-      }
-    }
+  each_dot(w, x, [&](int row, float acc) {
+    if (row < 8) hand_on(XN, pid, row, acc, tag);  // the first chunk's first eight rows: the hand-off first
+    out[pid * 16 * C + row] = acc;
+  });
 }
 
 template <bool kEarly, int kPoll>
@@ -348,19 +296,6 @@ constexpr int kSlots = 6;
 constexpr int kChunkBytes = 16 * kCols * 2;
 constexpr int kConsumers = 256;
 constexpr int kPieces = 4;  // copies per chunk (8 KB each)
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n LAB_WAIT:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra LAB_WAIT;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 
 // The grid barrier of designs with a producer warp: only the consumer warps take part.
 __device__ __forceinline__ void grid_arrive(unsigned* counter) {
@@ -397,7 +332,7 @@ __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned 
   if constexpr (kDefer) {
     if (lane == 0)
       for (int j = i - held; j < i; ++j)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + (j % kSlots) * 8) : "memory");
+        mbar_arrive(empty0 + (j % kSlots) * 8);
     held = C;
   }
 #pragma unroll
@@ -419,7 +354,7 @@ __device__ __forceinline__ int stream_phase(const unsigned char* ring, unsigned 
       }
     }
     __syncwarp();
-    if (!kDefer && lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + slot * 8) : "memory");
+    if (!kDefer && lane == 0) mbar_arrive(empty0 + slot * 8);
   }
   return i;
 }
@@ -437,16 +372,15 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
       for (int piece = 0; piece < kPieces; ++piece)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + (s * kPieces + piece) * 8));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(empty0 + s * 8));  // one per consumer warp
+        mbar_init(full0 + (s * kPieces + piece) * 8, 1);
+      mbar_init(empty0 + s * 8, 8);  // one per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {  // the producer warp: one thread issues every copy
     if (threadIdx.x == kConsumers) {
-      unsigned long long policy;
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+      const unsigned long long policy = evict_first_policy();
       int i = 0;
       for (int layer = 0; layer < layers; ++layer)
         for (int j = 0; j < kChunks; ++j, ++i) {
@@ -454,18 +388,11 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
           mbar_wait(empty0 + slot * 8, ((i / kSlots) & 1) ^ 1);
           const long row0 = (static_cast<long>(layer * kChunks + j) * programs + pid) * 16;
           for (int piece = 0; piece < kPieces; ++piece) {  // several copies in flight per chunk
-            const int q = i * kPieces + piece, o = q - ahead;
-            if (o >= 0)  // at most ``ahead`` copies requested and not yet landed (copy o's barrier is not re-armed yet)
-              mbar_wait(full0 + ((o / kPieces) % kSlots * kPieces + o % kPieces) * 8, (o / kPieces / kSlots) & 1);
+            wait_landed<kSlots, kPieces>(full0, i * kPieces + piece - ahead);  // at most ``ahead`` in flight
             const unsigned full = full0 + (slot * kPieces + piece) * 8;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(kChunkBytes / kPieces)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(ring + slot * kChunkBytes + piece * (kChunkBytes / kPieces))),
-                "l"(W + row0 * kCols + piece * (kChunkBytes / kPieces / 2)), "r"(kChunkBytes / kPieces), "r"(full),
-                "l"(policy)
-                : "memory");
+            expect_bytes(full, kChunkBytes / kPieces);
+            bulk_copy(ring + slot * kChunkBytes + piece * (kChunkBytes / kPieces),
+                      W + row0 * kCols + piece * (kChunkBytes / kPieces / 2), kChunkBytes / kPieces, full, policy);
           }
         }
     }
@@ -687,7 +614,7 @@ __device__ __forceinline__ void ring_rows(const unsigned char* ring, unsigned fu
       if (lane == 0) emit(c * R + row, acc);
     }
     __syncwarp();
-    if (lane == 0 && wait) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + slot * 8) : "memory");
+    if (lane == 0 && wait) mbar_arrive(empty0 + slot * 8);
   }
 }
 
@@ -745,16 +672,15 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
   if (t < 2 * kRanks) flags[t / kRanks][t % kRanks] = 0;
   if (t == 0) {
     for (int s = 0; s < nslots; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full0 + s * 8));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty0 + s * 8), "r"(attn ? 8 : 1));
+      mbar_init(full0 + s * 8, 1);
+      mbar_init(empty0 + s * 8, attn ? 8 : 1);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   cg::this_cluster().sync();  // flags and mbarriers set in every block before any other touches them
   if (t >= kConsumers) {      // the producer warp: one thread issues every copy
     if (t != kConsumers || (attn && no_attn_bytes)) return;
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned long long policy = evict_first_policy();
     const long base = attn ? b * kAttnBytes : kAttnBlocks * kAttnBytes + (b - kAttnBlocks) * kMlpBytes;
     const int per_layer = attn ? kAttnChunks : kMlpPieces, piece = attn ? kChunkBytes : kPieceBytes;
     for (int i = 0; i < layers * per_layer; ++i) {
@@ -763,14 +689,10 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
       mbar_wait(empty0 + (attn ? slot : 0) * 8, (round & 1) ^ 1);  // the MLP side frees a layer's all at once
       if (paced && !attn && j == 0) spin_until(bar_mid, kAttnBlocks * (layer + 1));  // after the attention side
       const unsigned full = full0 + slot * 8;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(piece) : "memory");
+      expect_bytes(full, piece);
       const unsigned char* src = reinterpret_cast<const unsigned char*>(W) + layer * kLayerElems * 2 + base + j * piece;
       for (int q = 0; q < 4; ++q)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-            " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(smem + slot * piece + q * (piece / 4))),
-            "l"(src + q * (piece / 4)), "r"(piece / 4), "r"(full), "l"(policy)
-            : "memory");
+        bulk_copy(smem + slot * piece + q * (piece / 4), src + q * (piece / 4), piece / 4, full, policy);
     }
     return;
   }
@@ -857,7 +779,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
       stamp(layer, 3);
       stamp_mlp(layer, 1);
       grid_arrive(bar_out);  // its consumer barrier also ends every read of the layer's rows
-      if (t == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0) : "memory");
+      if (t == 0) mbar_arrive(empty0);
     }
   }
   if (b == 0) {
@@ -879,7 +801,8 @@ void stream_with(const __nv_bfloat16* w, float* buf, unsigned* bar, unsigned* xt
   const int bytes = kSlots * kChunkBytes + (kPieces + 1) * kSlots * 8;
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(stream_kernel<kSync, kDefer>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  stream_kernel<kSync, kDefer><<<programs, kConsumers + 32, bytes, stream>>>(w, buf, bar, xt, seq, layers, stride, ahead);
+  stream_kernel<kSync, kDefer>
+      <<<programs, kConsumers + 32, bytes, stream>>>(w, buf, bar, xt, seq, layers, stride, ahead);
 }
 
 // sync: as stream_phase's kSync; 5 and 6 are 2 and 4 with kDefer; ahead: 8 KB copies the producer may
@@ -889,7 +812,8 @@ void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& ba
                    int64_t programs, int64_t stride, int64_t sync, int64_t ahead, int64_t seq) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
   TORCH_CHECK(xt.scalar_type() == torch::kInt32 && xt.numel() >= 5 * 2048, "xt: int32 [5 * 2048]");
-  TORCH_CHECK(sync < 2 || sync == 3 || (programs * 8 >= kCols && programs * 8 <= 2048), "programs: 128 to 256 for tagged inputs "
+  TORCH_CHECK(sync < 2 || sync == 3 || (programs * 8 >= kCols && programs * 8 <= 2048),
+              "programs: 128 to 256 for tagged inputs "
               "(eight words each make up the next phase's 1,024), not ", programs);
   const auto stream = at::cuda::getCurrentCUDAStream();
   auto* w = reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>());

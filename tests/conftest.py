@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,26 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def load_benchmark(monkeypatch):
+    """``load_benchmark(name)`` imports ``benchmarks/<name>.py`` as module ``name`` for one test:
+    registered in ``sys.modules`` (spawned processes find it) with ``benchmarks/`` on the path (its
+    own imports, such as ``gpu_shapes``)."""
+
+    def load(name: str):
+        monkeypatch.syspath_prepend(str(BENCHMARKS))
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 def pytest_collection_modifyitems(config, items):

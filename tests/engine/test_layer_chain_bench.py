@@ -3,23 +3,13 @@ times (its last phase against a float64 run of the same data flow), so its timin
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def test_designs_match_float64(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_layer_chain", BENCH / "bench_layer_chain.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_layer_chain", bench)
-    spec.loader.exec_module(bench)
+def test_designs_match_float64(load_benchmark, capsys):
+    bench = load_benchmark("bench_layer_chain")
     assert bench.main(["--layers", "3", "--repeats", "2", "--rounds", "1", "--ring", "3"]) == 0
     out = capsys.readouterr().out
     assert "barriers" in out and "flags" in out

@@ -3,15 +3,10 @@ benchmark (issue 28), checked on the CPU with small shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: A Qwen3 shape small enough for a test (vocab larger than the 1,024-id tokenizer, tied, as Qwen3's).
 SMALL = dict(
@@ -21,17 +16,8 @@ SMALL = dict(
 )  # fmt: skip
 
 
-def _load(name: str, monkeypatch):
-    """Import a benchmarks/ script as module ``name`` (registered, so spawned client processes find it)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_workload_flags_and_inputs(monkeypatch):
-    bench = _load("bench_server", monkeypatch)
+def test_workload_flags_and_inputs(load_benchmark, monkeypatch):
+    bench = load_benchmark("bench_server")
     args = bench.parse_args(["--step-len", "50-70", "--steps", "5", "--prompt-len", "200", "--new-tokens", "32"])  # fmt: skip
     assert args.step_len == (50, 70) and args.sequential_steps == 5
     assert args.capacity >= 200 + 6 * (70 + 32) and args.capacity % 256 == 0
@@ -52,13 +38,13 @@ def test_workload_flags_and_inputs(monkeypatch):
     assert sampling.seed != bench.session_settings(args, 4)[1].seed
 
 
-def test_saved_random_shape_loads_as_the_server_loads_it(monkeypatch, tmp_path):
+def test_saved_random_shape_loads_as_the_server_loads_it(load_benchmark, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from compaction_gym.engine import Engine, SamplingParams
     from compaction_gym.models.registry import load_model
 
-    shapes = _load("gpu_shapes", monkeypatch)
+    shapes = load_benchmark("gpu_shapes")
     monkeypatch.setitem(shapes.QWEN3_SHAPES, "small", SMALL)
     path = shapes.save_random_model("small", tmp_path / "m", device="cpu", seed=3)
     # the checkpoint's dtype (serve --dtype auto on a GPU), the same weights as random_model's
@@ -90,12 +76,12 @@ def test_saved_random_shape_loads_as_the_server_loads_it(monkeypatch, tmp_path):
     assert isinstance(r.text, str)
 
 
-def test_llama_shape_is_a_llama_the_fast_path_runs(monkeypatch):
+def test_llama_shape_is_a_llama_the_fast_path_runs(load_benchmark, monkeypatch):
     """``llama-3.2-1b`` builds a ``LlamaForCausalLM`` with the published config (llama3 RoPE
     scaling, tied embeddings) that the fast decoder accepts; narrowed here to fit a CPU test."""
     from compaction_gym.engine.fast.model import unsupported_reason
 
-    shapes = _load("gpu_shapes", monkeypatch)
+    shapes = load_benchmark("gpu_shapes")
     assert "llama-3.2-1b" in shapes.shape_names() and "qwen3-1.7b" in shapes.shape_names()
     assert set(shapes.DEFAULT_SHAPES) == {"qwen3-0.6b", "qwen3-4b"}
     narrow = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -109,10 +95,10 @@ def test_llama_shape_is_a_llama_the_fast_path_runs(monkeypatch):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_bench_runs_the_same_workload_through_the_server_and_the_engine(monkeypatch, tmp_path):
+def test_bench_runs_the_same_workload_through_the_server_and_the_engine(load_benchmark, monkeypatch, tmp_path):
     """The tiny model end to end: two client processes, sampled at temperature 1; every session's
     tokens equal the embedded engine's (same inputs, settings and seeds), and the counts add up."""
-    bench = _load("bench_server", monkeypatch)
+    bench = load_benchmark("bench_server")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "out.json"
     argv = ["--sessions", "4", "--steps", "2", "--sequential-steps", "1", "--client-procs", "2", "--prompt-len", "8",

@@ -1,0 +1,139 @@
+// What layer_chain_cuda.cu and tagged_layer_cuda.cu share: a producer warp's bulk copies into a ring
+// of shared-memory slots (mbarriers), the consumer warps' named barrier, and the tagged 32-bit words
+// of session 38's hand-offs (a bf16 value in the low half, a 16-bit tag in the high half;
+// docs/benchmarks.md, "Session 38").
+#pragma once
+
+#include <cuda_bf16.h>
+
+namespace bulk_stream {
+
+constexpr unsigned kSpinLimit = 1u << 22;  // bounded polls: a lost word gives wrong outputs, not a hang
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n LAB_WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra LAB_WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+// After a block's mbar_init calls, before any thread uses the barriers (then a block barrier).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// The 256 consumer threads of a block whose last warp is a producer (named barrier 1).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// Arm mbarrier ``full`` (an arrival) for ``bytes`` more bytes to land.
+__device__ __forceinline__ void expect_bytes(unsigned full, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(bytes) : "memory");
+}
+
+// Copy ``bytes`` from global ``src`` to shared ``dst``, counted on mbarrier ``full`` (L2 evict-first).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned full,
+                                          unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(full), "l"(policy)
+      : "memory");
+}
+
+// Wait until copy ``o`` of a ring of kSlots slots of kPieces copies (one mbarrier each, slot-major
+// from ``full0``) has landed; o < 0: nothing to wait for. The producer calls it before copy
+// o + ahead, so that at most ``ahead`` copies are requested and not yet landed; copy o's mbarrier
+// is not re-armed before then as long as ahead < kSlots * kPieces.
+template <int kSlots, int kPieces>
+__device__ __forceinline__ void wait_landed(unsigned full0, int o) {
+  if (o >= 0) mbar_wait(full0 + ((o / kPieces) % kSlots * kPieces + o % kPieces) * 8, (o / kPieces / kSlots) & 1);
+}
+
+__device__ __forceinline__ unsigned tagged_word(float v, unsigned tag) {
+  return (tag << 16) | __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+__device__ __forceinline__ float word_value(unsigned word) { return __uint_as_float(word << 16); }
+
+// One store, so that a reader sees the word whole.
+__device__ __forceinline__ void store_word(unsigned* p, unsigned word) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(word) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_words(const unsigned* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool current(const uint4& v, unsigned tag) {
+  return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
+}
+
+// The four words at p once all carry ``tag`` (or after kSpinLimit polls).
+__device__ __forceinline__ uint4 spin_for(const unsigned* p, unsigned tag) {
+  uint4 v;
+  unsigned spins = 0;
+  do v = load_words(p);
+  while (!current(v, tag) && ++spins < kSpinLimit);
+  return v;
+}
+
+__device__ __forceinline__ float4 word_values(const uint4& v) {
+  return make_float4(word_value(v.x), word_value(v.y), word_value(v.z), word_value(v.w));
+}
+
+// The lane's 32 values of a 1,024-vector in shared memory (columns lane*8 + k*256 .. +8, k < 4): the
+// layout of ``row_dot``'s rows.
+__device__ __forceinline__ void lane_slice(const float* xs, int lane, float (&x)[4][8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float4 a = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256);
+    const float4 b = *reinterpret_cast<const float4*>(xs + lane * 8 + k * 256 + 4);
+    x[k][0] = a.x; x[k][1] = a.y; x[k][2] = a.z; x[k][3] = a.w;
+    x[k][4] = b.x; x[k][5] = b.y; x[k][6] = b.z; x[k][7] = b.w;
+  }
+}
+
+// A row's dot product: the lane's KB 16-byte pieces of the row (8 bf16 each) against its inputs,
+// summed over the warp (every lane gets the sum).
+template <int KB>
+__device__ __forceinline__ float row_dot(const uint4 (&w)[KB], const float (&x)[KB][8]) {
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < KB; ++k) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(h[e]);
+      acc = fmaf(f.x, x[k][2 * e], acc);
+      acc = fmaf(f.y, x[k][2 * e + 1], acc);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  return acc;
+}
+
+}  // namespace bulk_stream
