@@ -123,7 +123,8 @@ def gate_up_pairs(programs: int, balanced: bool) -> torch.Tensor:
 
 
 def engine_launch(kv: int):
-    """A callable running the engine's persistent launch once on a random Qwen3-0.6B (batch 1, ``kv`` rows)."""
+    """The layer count of a random Qwen3-0.6B and a callable running the engine's persistent launch on
+    it once (batch 1, ``kv`` cached rows, no queries recorded)."""
     from compaction_gym.engine.fast.persistent import build_plan, persistent_layers
     from compaction_gym.engine.fast.runner import FastModelRunner
     from compaction_gym.engine.model_runner import ModelLayout
