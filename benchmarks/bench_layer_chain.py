@@ -607,13 +607,10 @@ def main(argv: list[str] | None = None) -> int:
                             BARRIERS=barriers, INPUTS=inputs, PACED=paced, D=boxes_in_flight or ns * nb,
                             num_warps=8)  # fmt: skip
 
-    def tagged_launch(launch, *args, **kwargs) -> None:
+    def tagged_launch(launch, *args) -> None:
         """A CUDA C++ launch that takes ``seq`` (a fresh tag space) after its other arguments."""
         seq_tagged[0] += 1
-        if kwargs:
-            launch(*args, seq_tagged[0], kwargs["early"], kwargs["poll"])
-        else:
-            launch(*args, seq_tagged[0])
+        launch(*args, seq_tagged[0])
 
     def cuda_runs() -> dict:
         ext = cuda_extension("layer_chain_cuda.cu")  # ~1 min to build on first use
@@ -630,23 +627,23 @@ def main(argv: list[str] | None = None) -> int:
             for poll in (0, 1):
                 name = "tagged, CUDA C++, weights issued " + ("before polling" if early else "once the input is there")
                 name += ", each thread spins on its own words" if poll == 0 else ", the block checks all words"
-                runs[name] = functools.partial(tagged_launch, ext.launch_tagged, W, buf, xt, L, P, stride,
-                                               early=early, poll=poll)  # fmt: skip
+                runs[name] = functools.partial(tagged_launch, ext.launch_tagged, W, buf, xt, L, P, stride, early, poll)
         if torch.cuda.get_device_capability(dev)[0] >= 9:  # cp.async.bulk
-            for name, sync, ahead in (  # ahead: 8 KB copies requested and not yet landed, at most
-                ("", 1, 24),
-                (", no barriers", 0, 24),
-                (", tagged inputs", 2, 24),
-                (", no barriers, no inputs", 3, 24),
-                (", no barriers, inputs read once through shared memory", 4, 24),
-                (", tagged inputs, slots released after the next input", 5, 24),
-                (", no barriers, inputs read once through shared memory, slots released after the next read", 6, 24),
-                *((f", tagged inputs, ≤ {n * 8} KB in flight", 2, n) for n in (2, 3, 4, 6)),
-                (", ≤ 32 KB in flight", 1, 4),  # the cap with grid barriers: is it the cap or the tags?
-                *((f", no barriers, inputs read once through shared memory, ≤ {n * 8} KB in flight", 4, n) for n in (2, 3, 4)),
+            for name, sync, defer, ahead in (  # ahead: 8 KB copies requested and not yet landed, at most
+                ("", 1, False, 24),
+                (", no barriers", 0, False, 24),
+                (", tagged inputs", 2, False, 24),
+                (", no barriers, no inputs", 3, False, 24),
+                (", no barriers, inputs read once through shared memory", 4, False, 24),
+                (", tagged inputs, slots released after the next input", 2, True, 24),
+                (", no barriers, inputs read once through shared memory, slots released after the next read", 4, True, 24),
+                *((f", tagged inputs, ≤ {n * 8} KB in flight", 2, False, n) for n in (2, 3, 4, 6)),
+                (", ≤ 32 KB in flight", 1, False, 4),  # the cap with grid barriers: is it the cap or the tags?
+                *((f", no barriers, inputs read once through shared memory, ≤ {n * 8} KB in flight", 4, False, n)
+                  for n in (2, 3, 4)),
             ):
                 runs[f"stream, CUDA C++, ring 6{name}"] = functools.partial(
-                    tagged_launch, ext.launch_stream, W, buf, bar, xt, L, P, stride, sync, ahead
+                    tagged_launch, ext.launch_stream, W, buf, bar, xt, L, P, stride, sync, defer, ahead
                 )
             runs.update(edge_runs(ext))
             runs.update(split_runs(ext))

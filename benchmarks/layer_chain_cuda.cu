@@ -805,13 +805,14 @@ void stream_with(const __nv_bfloat16* w, float* buf, unsigned* bar, unsigned* xt
       <<<programs, kConsumers + 32, bytes, stream>>>(w, buf, bar, xt, seq, layers, stride, ahead);
 }
 
-// sync: as stream_phase's kSync; 5 and 6 are 2 and 4 with kDefer; ahead: 8 KB copies the producer may
+// sync: as stream_phase's kSync; defer: its kDefer (sync 2 or 4 only); ahead: 8 KB copies the producer may
 // have requested and not yet received, 1 to the ring's 24 (``xt``: int32 [5 * 2048], zeroed once; ``seq``
 // new for each launch).
 void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& bar, torch::Tensor& xt, int64_t layers,
-                   int64_t programs, int64_t stride, int64_t sync, int64_t ahead, int64_t seq) {
+                   int64_t programs, int64_t stride, int64_t sync, bool defer, int64_t ahead, int64_t seq) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
   TORCH_CHECK(xt.scalar_type() == torch::kInt32 && xt.numel() >= 5 * 2048, "xt: int32 [5 * 2048]");
+  TORCH_CHECK(!defer || sync == 2 || sync == 4, "defer: with sync 2 or 4 only");
   TORCH_CHECK(sync < 2 || sync == 3 || (programs * 8 >= kCols && programs * 8 <= 2048),
               "programs: 128 to 256 for tagged inputs "
               "(eight words each make up the next phase's 1,024), not ", programs);
@@ -825,12 +826,10 @@ void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& ba
   switch (sync) {
     case 0: std::apply(stream_with<0>, args); break;
     case 1: std::apply(stream_with<1>, args); break;
-    case 2: std::apply(stream_with<2>, args); break;
+    case 2: defer ? std::apply(stream_with<2, true>, args) : std::apply(stream_with<2>, args); break;
     case 3: std::apply(stream_with<3>, args); break;
-    case 4: std::apply(stream_with<4>, args); break;
-    case 5: std::apply(stream_with<2, true>, args); break;  // tagged inputs, slots released after the next poll
-    case 6: std::apply(stream_with<4, true>, args); break;  // 4, slots released after the next read
-    default: TORCH_CHECK(false, "sync: 0 to 6, not ", sync);
+    case 4: defer ? std::apply(stream_with<4, true>, args) : std::apply(stream_with<4>, args); break;
+    default: TORCH_CHECK(false, "sync: 0 to 4, not ", sync);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -838,7 +837,7 @@ void launch_stream(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& ba
 // The tagged design (``xt`` and ``seq`` as launch_stream's); early: weight rows issued before polling;
 // poll: 0 each thread spins on its own words, 1 the block checks all after each poll.
 void launch_tagged(const torch::Tensor& W, torch::Tensor& buf, torch::Tensor& xt, int64_t layers, int64_t programs,
-                   int64_t stride, int64_t seq, bool early, int64_t poll) {
+                   int64_t stride, bool early, int64_t poll, int64_t seq) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.size(1) == kCols, "W: bf16 [rows, 1024] on CUDA");
   TORCH_CHECK(xt.scalar_type() == torch::kInt32 && xt.numel() >= 5 * 2048, "xt: int32 [5 * 2048]");
   TORCH_CHECK(programs * 8 >= kCols && programs * 8 <= 2048, "programs: 128 to 256 (eight words each make up the "

@@ -92,7 +92,8 @@ __device__ __forceinline__ void poll_f32(const unsigned long long* X, int n, uns
   }
 }
 
-// x[i] / rms(x) into xn (1,024 values; the consumers synchronise inside).
+// x[i] / rms(x) into xn (1,024 values). Thread t reads only x[4t, 4t + 4), which poll_bf16 of 1,024
+// words leaves to it, so no barrier is needed before; the consumers synchronise inside.
 __device__ __forceinline__ void normalise(const float* x, float* xn, float* red) {
   const int t = threadIdx.x;
   const float4 v = *reinterpret_cast<const float4*>(x + 4 * t);
@@ -153,6 +154,27 @@ __device__ __forceinline__ void rows_dot(Ring& ring, const float* x, float (&acc
     }
     ring.release();
   }
+}
+
+// Rows 16r .. 16r + 15 of a projection whose rows span NC chunks, against hand-off X (NC x 1,024
+// words, polled into xs), each plus its row of ``residual``: handed on to XN (and, given ``out``,
+// stored there unrounded).
+template <int NC>
+__device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, unsigned tag_in, float* xs,
+                                                 const float* residual, unsigned* XN, unsigned tag_out, int r,
+                                                 float* out) {
+  poll_bf16(X, NC * kCols, tag_in, xs);
+  consumers_sync();
+  float acc[2];
+  rows_dot<NC>(ring, xs, acc);
+  const int row = 16 * r + 2 * (threadIdx.x >> 5);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float v = residual[row + i] + acc[i];
+      hand_bf16(XN, row + i, v, tag_out);
+      if (out != nullptr) out[row + i] = v;
+    }
 }
 
 // One (KV head, split) task: 64 cached rows of K and V (the chunk's rows 0-7 and 8-15) against the
@@ -273,7 +295,6 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
     } else {
       poll_bf16(ho.h, kCols, tag_of(seq, layers, layer - 1, 5), sh.h);
     }
-    consumers_sync();
     normalise(sh.h, sh.xn, sh.red);
     for (int a = b; a < kA; a += P) {
       rows_dot<1>(ring, sh.xn, acc);
@@ -309,18 +330,9 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
       }
     }
     // C: 16 rows of the output projection, plus h
-    if (has_c) {
-      poll_bf16(ho.att, 2048, tag(2), sh.att);
-      consumers_sync();
-      rows_dot<2>(ring, sh.att, acc);
-      const int row = 16 * (b / 2) + 2 * warp;
-      if (lane == 0)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) hand_bf16(ho.hmid, row + r, sh.h[row + r] + acc[r], tag(3));
-    }
+    if (has_c) project_residual<2>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr);
     // D: h_mid normalised; gate and up rows, silu(gate) * up
     poll_bf16(ho.hmid, kCols, tag(3), sh.hmid);
-    consumers_sync();
     normalise(sh.hmid, sh.xn, sh.red);
     for (int k = 0; k < n_pairs; ++k) {
       const int j = my_pairs[k];
@@ -334,19 +346,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
         }
     }
     // E: 16 rows of the down projection, plus h_mid
-    if (has_e) {
-      poll_bf16(ho.act, 3072, tag(4), sh.act);
-      consumers_sync();
-      rows_dot<3>(ring, sh.act, acc);
-      const int row = 16 * (b / 2) + 2 * warp;
-      if (lane == 0)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float v = sh.hmid[row + r] + acc[r];
-          hand_bf16(ho.h, row + r, v, tag(5));
-          out[row + r] = v;
-        }
-    }
+    if (has_e) project_residual<3>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out);
   }
 }
 
