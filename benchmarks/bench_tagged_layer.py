@@ -20,9 +20,17 @@ the words it was handed (each must carry its hand-off's tag; within 1e-3), and e
 ``--check-layers`` layers (within 1e-2: a float32 sum that rounds the residual the other way
 moves an output by one bf16 step of it; over many layers such flips grow).
 
+To see where a layer's time goes (session 39), timing-only rows take parts away: the tags not
+checked (``--unchecked``), no hand-off read at all (``--no-input``), no weight bytes copied, so
+the chain of hand-offs alone (``--no-bytes``); ``--stamps`` then times each step of a layer from
+every block's ``%globaltimer``. Variants: a sixth ring slot (``--slots``), a prefetcher warp
+asking L2 for the next chunks (``--prefetch``), polls that back off (``--backoff``), and the
+consumers' dot products as one chain of multiply-adds (``--sums chained``, session 38's).
+
 Usage:
     python benchmarks/bench_tagged_layer.py                      # caps of 16, 32 and 160 KB
     python benchmarks/bench_tagged_layer.py --ahead 2 4 --layers 28 --repeats 20
+    python benchmarks/bench_tagged_layer.py --ahead 2 --unchecked --no-input --no-bytes --stamps
 """
 
 from __future__ import annotations
@@ -151,6 +159,26 @@ def engine_launch(kv: int):
     return layout.n_layers, lambda: persistent_layers(dec, plan, *inputs)
 
 
+PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
+# slots, 8 KB copies in flight, pair layout, (prefetch, depth), ns between polls, independent sums
+Design = tuple[int, int, str, tuple[int, int], int, bool]
+
+
+def prefetch_mode(spec: str) -> tuple[int, int]:
+    """``--prefetch``'s KIND[:DEPTH] as the kernel's (mode, depth); depth 4 unless given."""
+    kind, _, depth = spec.partition(":")
+    if kind not in PREFETCH_KINDS:
+        raise ValueError(f"--prefetch: kind must be one of {sorted(PREFETCH_KINDS)}, not {kind!r}")
+    mode = PREFETCH_KINDS[kind]
+    return (mode, int(depth or 4)) if mode else (0, 0)
+
+
+def prefetch_label(spec: str) -> str:
+    mode, depth = prefetch_mode(spec)
+    kind = {1: "loads", 2: "bulk prefetches"}.get(mode)
+    return f", L2 asked {depth} chunks ahead ({kind})" if kind else ""
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=28)
@@ -162,8 +190,46 @@ def make_parser() -> argparse.ArgumentParser:
         help="8 KB copies a block may have requested and not yet received (20: the whole ring, no cap)",
     )  # fmt: skip
     p.add_argument(
+        "--slots", type=int, nargs="+", default=[5], choices=[5, 6], help="32 KB slots of the ring"
+    )
+    p.add_argument(
+        "--sums", nargs="+", default=["independent"], choices=["independent", "chained"],
+        help="the consumers' dot products: four independent sums a lane, reduced over the warp once a row, or "
+        "(session 38) one chain of multiply-adds, reduced after every chunk",
+    )  # fmt: skip
+    p.add_argument(
+        "--backoff",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="ns a thread sleeps between polls of a group (0: none)",
+    )
+    p.add_argument(
         "--round-robin", action="store_true", help="also run round-robin gate/up pairs (unbalanced)"
     )
+    p.add_argument(
+        "--prefetch", nargs="+", default=["none"], metavar="KIND[:DEPTH]",
+        help="rows with a prefetcher warp asking L2 for the block's next DEPTH chunks past the producer's: "
+        "'loads' (16-byte loads with the L2::256B hint, two 8 KB pieces unanswered at most), 'bulk' "
+        "(cp.async.bulk.prefetch.L2) or 'none'",
+    )  # fmt: skip
+    p.add_argument(
+        "--unchecked", action="store_true",
+        help="also time each design reading every hand-off once, tags unchecked (timing only: races)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-input", action="store_true",
+        help="also time each design without reading any hand-off (timing only: the stream and the consumers' work)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-bytes", action="store_true",
+        help="also time each design copying no weights, tags checked (timing only: the chain of hand-offs alone)",
+    )  # fmt: skip
+    p.add_argument(
+        "--stamps", action="store_true",
+        help="then time each step of a layer (%%globaltimer) in the first design (and without weight bytes, "
+        "given --no-bytes)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the designs (best median kept)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine's persistent launch")
@@ -193,18 +259,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.round_robin:
         tables[", gate/up round robin"] = gate_up_pairs(P, False).to(dev)
 
-    def launch(layers: int, ahead: int, table: str = "") -> None:
-        seq[0] += 1  # consecutive launches: no word keeps a tag of this one
-        ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], ahead)
+    no_stamps = torch.empty(0, device=dev, dtype=torch.int64)
 
-    designs = {f"tagged stream, ≤ {a * 8} KB in flight{t}": (a, t) for t in tables for a in args.ahead}
+    def launch(layers: int, design: Design, check: int = 1, copies: bool = True, stamps=no_stamps) -> None:
+        seq[0] += 1  # consecutive launches: no word keeps a tag of this one
+        slots, ahead, table, prefetch, backoff, ilp = design
+        ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], slots, min(ahead, 4 * slots),
+                   *prefetch, check, copies, backoff, stamps, ilp)  # fmt: skip
+
+    designs = {
+        f"tagged stream, {r} slots, ≤ {min(a, 4 * r) * 8} KB in flight{t}{prefetch_label(f)}"
+        + (f", polls {n} ns apart" if n else "")
+        + ("" if sums == "independent" else ", sums chained"): (r, a, t, prefetch_mode(f), n, sums == "independent")
+        for sums in args.sums
+        for n in args.backoff
+        for f in args.prefetch
+        for t in tables
+        for r in args.slots
+        for a in args.ahead
+    }  # fmt: skip
     errors = {}
-    for name, (ahead, table) in designs.items():
+    for name, design in designs.items():
         n = min(args.check_layers, L)
-        launch(n, ahead, table)
+        launch(n, design)
         ref = reference(W, h0, n)
         errors[f"{name}, {n} layers end to end"] = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        launch(L, ahead, table)
+        launch(L, design)
         act = handed_on(words[7168:10240], tag_of(seq[0], L, L - 1, 4))
         h_mid = handed_on(words[6144:7168], tag_of(seq[0], L, L - 1, 3))
         if act is None or h_mid is None:
@@ -224,7 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         print("the design computed something else: the timings below do not count", file=sys.stderr)
         return 1
 
-    runs = {name: (L, lambda a=a, t=t: launch(L, a, t)) for name, (a, t) in designs.items()}
+    runs = {name: (L, lambda d=d: launch(L, d)) for name, d in designs.items()}
+    timing_only = {"tags unchecked": (0, True)} if args.unchecked else {}
+    if args.no_input:
+        timing_only["no hand-off read"] = (-1, True)
+    if args.no_bytes:
+        timing_only["no weight bytes copied"] = (1, False)
+    runs |= {
+        f"timing only: {name}, {how}": (L, lambda d=d, c=c: launch(L, d, *c))
+        for how, c in timing_only.items()
+        for name, d in designs.items()
+    }
     if not args.no_engine:
         layers, fn = engine_launch(KV_ROWS)
         fn()
@@ -246,7 +336,52 @@ def main(argv: list[str] | None = None) -> int:
         title=f"A Qwen3-0.6B layer at {KV_ROWS} cached rows, {device_line()}; {P} blocks, {L} layers of "
         f"{layer_bytes / 1e6:.1f} MB ({bytes_us:.2f} µs at the copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
     )
+    if args.stamps:
+        name, design = next(iter(designs.items()))
+        modes = {
+            name: True,
+            **({f"{name}, no weight bytes copied (timing only)": False} if args.no_bytes else {}),
+        }
+        columns = {}
+        for label, copies in modes.items():
+            stamps = torch.zeros(L * EVENTS * P, device=dev, dtype=torch.int64)
+            launch(L, design, copies=copies, stamps=stamps)
+            columns[label] = step_medians(stamps.view(L, EVENTS, P).cpu())
+        print_table(
+            ["step (µs, median over layers)", *columns],
+            [[step, *(c[step] for c in columns.values())] for step in STEPS],
+            title="Where a layer goes: the last block's %globaltimer at each event, differences",
+        )
     return 0
+
+
+EVENTS = 12  # a phase's input polled, then its output handed on: A, B, M, C, D, E
+STEPS = [
+    "A: q/k/v rows (h polled and normalised before)",
+    "hand-off 0: q/k/v to the attention splits",
+    "B: attention split",
+    "hand-off 1: the partials to the merge",
+    "M: merge",
+    "hand-off 2: attention output to the output projection",
+    "C: output projection",
+    "hand-off 3 and the norm: h_mid to gate/up",
+    "D: gate/up",
+    "hand-off 4: act to down",
+    "E: down projection",
+    "hand-off 5 and the norm: h to the next layer",
+    "the layer",
+]
+
+
+def step_medians(stamps: torch.Tensor) -> dict[str, float]:
+    """``[layers, 12, blocks]`` globaltimer stamps (0: the block has no such event) as the median over
+    layers of each step: the latest block's stamp at each event, differences in µs."""
+    last = stamps.max(dim=2).values.double()  # blocks without the event wrote 0
+    ends = torch.cat(
+        [last[:-1, 1:], last[1:, :1]], dim=1
+    )  # each event's next: the layer's, then layer + 1's A
+    steps = torch.cat([ends - last[:-1], (last[1:, 0] - last[:-1, 0])[:, None]], dim=1) / 1e3
+    return dict(zip(STEPS, steps.median(dim=0).values.tolist(), strict=True))
 
 
 if __name__ == "__main__":

@@ -116,24 +116,43 @@ __device__ __forceinline__ void lane_slice(const float* xs, int lane, float (&x)
   }
 }
 
-// A row's dot product: the lane's KB 16-byte pieces of the row (8 bf16 each) against its inputs,
-// summed over the warp (every lane gets the sum).
-template <int KB>
-__device__ __forceinline__ float row_dot(const uint4 (&w)[KB], const float (&x)[KB][8]) {
-  float acc = 0.f;
+// A lane's share of a row's dot product, not summed over the warp: its KB 16-byte pieces of the row
+// (8 bf16 each) against its inputs, in kChains independent sums (1: one chain of multiply-adds; 4:
+// the multiply-adds do not wait on one another).
+template <int kChains, int KB>
+__device__ __forceinline__ float lane_dot(const uint4 (&w)[KB], const float (&x)[KB][8]) {
+  static_assert(kChains == 1 || kChains == 4, "one chain, or one for each bf16 pair of a piece");
+  float acc[kChains] = {};
 #pragma unroll
   for (int k = 0; k < KB; ++k) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w[k]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 f = __bfloat1622float2(h[e]);
-      acc = fmaf(f.x, x[k][2 * e], acc);
-      acc = fmaf(f.y, x[k][2 * e + 1], acc);
+      acc[e % kChains] = fmaf(f.x, x[k][2 * e], acc[e % kChains]);
+      acc[e % kChains] = fmaf(f.y, x[k][2 * e + 1], acc[e % kChains]);
     }
   }
+  if constexpr (kChains == 1) return acc[0];
+  else return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// A row's dot product, one chain of multiply-adds a lane, summed over the warp (every lane gets it).
+template <int KB>
+__device__ __forceinline__ float row_dot(const uint4 (&w)[KB], const float (&x)[KB][8]) {
+  float acc = lane_dot<1>(w, x);
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   return acc;
+}
+
+// N values summed over the warp, their shuffles interleaved (every lane gets the sums).
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&v)[N]) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], m);
 }
 
 }  // namespace bulk_stream

@@ -4,10 +4,21 @@
 // One block of 8 consumer warps and a producer warp per multiprocessor (P blocks, 128 <= P <= 256).
 // Every weight matrix and the K/V cache are packed as 32 KB chunks (16 rows x 1,024 columns; a row
 // of 2,048 or 3,072 columns spans 2 or 3 chunks), 1,088 a layer. The producer copies its block's
-// chunks in the order the consumers use them into a ring of kSlots slots, with at most ``ahead``
+// chunks in the order the consumers use them into a ring of 5 or 6 slots, with at most ``ahead``
 // 8 KB copies requested and not yet landed. There is no barrier: every hand-off is a vector of
 // tagged words (a bf16 value in the low half, the hand-off's 16-bit tag in the high half; attention's
-// float32 partials as 64-bit words, value and 32-bit tag), polled until every tag is current.
+// float32 partials as 64-bit words, value and 32-bit tag), polled until every tag is current. Each
+// consumer thread issues the loads of all its words of a hand-off before it waits on any: one round
+// trip a phase (polling a group of words at a time cost 26 dependent round trips a layer; session 39).
+//
+// For timing only, the hand-offs can be read once without their tags checked or not at all, the
+// weights not copied (the chain of hand-offs alone), and each block's %globaltimer stamped at each
+// phase's input and output (Stamps).
+//
+// A second extra warp, the prefetcher, may ask L2 for the block's next ``depth`` chunks past the
+// producer's, so that HBM keeps streaming while the ring is full and the consumers wait for an input
+// (prefetch mode 1: a 16-byte load of every 256-byte block with the L2::256B hint, at most two 8 KB
+// pieces unanswered; mode 2: cp.async.bulk.prefetch.L2 of each 8 KB piece, bounded by ``depth`` only).
 //
 // A layer (the norms without weights, no q/k norm or RoPE, the new token's K/V not attended: the
 // data flow and the bytes, not the model):
@@ -36,7 +47,7 @@ constexpr int kCols = 1024;                 // a chunk's columns (and the hidden
 constexpr int kChunkElems = 16 * kCols;     // 32 KB of bf16
 constexpr int kChunkBytes = kChunkElems * 2;
 constexpr int kPieces = 4;                  // 8 KB copies a chunk, each with its own mbarrier
-constexpr int kSlots = 5;
+constexpr int kMaxSlots = 6;                // the ring's slots: 5 or 6 (``slots``)
 constexpr int kConsumers = 256;
 constexpr int kA = 256, kB = 128, kC = 128, kD = 384, kE = 192;  // chunks a layer, by phase
 constexpr int kLayerChunks = kA + kB + kC + kD + kE;             // 1,088
@@ -53,9 +64,16 @@ struct Handoffs {
   unsigned* h;                   // 1,024
 };
 
-// Shared memory besides the ring (floats).
+// Shared memory besides the ring (floats). The merge's partials, the attention output and act are
+// polled in different phases (a consumer barrier between the merge and the output projection), so
+// they share one buffer and leave room for a sixth slot.
 struct Shared {
-  float h[kCols], xn[kCols], att[2048], hmid[kCols], act[3072], qkv[512], part[16 * kPart];
+  float h[kCols], xn[kCols], hmid[kCols], qkv[512];
+  union {
+    float part[16 * kPart];
+    float att[2048];
+    float act[3072];
+  };
   float scores[2][64], red[8], stats[2][2];
 };
 
@@ -72,28 +90,67 @@ __device__ __forceinline__ void hand_f32(unsigned long long* X, int i, float v, 
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(X + i), "l"(word) : "memory");
 }
 
-// Poll n bf16 words of X (n a multiple of 4) until all carry ``tag``; their values to dst. The
-// caller synchronises the consumers afterwards.
-__device__ __forceinline__ void poll_bf16(const unsigned* X, int n, unsigned tag, float* dst) {
-  for (int g = threadIdx.x; g < n / 4; g += kConsumers)
-    *reinterpret_cast<float4*>(dst + 4 * g) = word_values(spin_for(X + 4 * g, tag));
-}
+// The two kinds of 16-byte groups a hand-off is polled in: four bf16 words (value, 16-bit tag) and
+// two float32 words of 64 bits (value, 32-bit tag; each 64-bit element of the vector load is read
+// whole). ``put`` stores a group's values as float32 at dst + (values a group) * g.
+struct Bf16Group {
+  using Word = unsigned;
+  uint4 v;
+  __device__ __forceinline__ void load(const Word* p) { v = load_words(p); }
+  __device__ __forceinline__ bool current(unsigned tag) const { return bulk_stream::current(v, tag); }
+  __device__ __forceinline__ void put(float* dst, int g) const {
+    *reinterpret_cast<float4*>(dst + 4 * g) = word_values(v);
+  }
+};
 
-// The same for n 64-bit words (n even; each 64-bit element of the vector load is read whole).
-__device__ __forceinline__ void poll_f32(const unsigned long long* X, int n, unsigned tag, float* dst) {
-  for (int g = threadIdx.x; g < n / 2; g += kConsumers) {
-    unsigned long long a, b;
-    unsigned spins = 0;
-    do {
-      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(X + 2 * g) : "memory");
-    } while (((a >> 32) != tag || (b >> 32) != tag) && ++spins < kSpinLimit);
-    dst[2 * g] = __uint_as_float(static_cast<unsigned>(a));
-    dst[2 * g + 1] = __uint_as_float(static_cast<unsigned>(b));
+struct F32Group {
+  using Word = unsigned long long;
+  ulonglong2 v;
+  __device__ __forceinline__ void load(const Word* p) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  }
+  __device__ __forceinline__ bool current(unsigned tag) const { return (v.x >> 32) == tag && (v.y >> 32) == tag; }
+  __device__ __forceinline__ void put(float* dst, int g) const {
+    dst[2 * g] = __uint_as_float(static_cast<unsigned>(v.x));
+    dst[2 * g + 1] = __uint_as_float(static_cast<unsigned>(v.y));
+  }
+};
+
+// A phase's input, polled in one round trip: each consumer thread loads all of its (up to kMax)
+// groups before it waits on any, then reloads only groups whose tags are not yet current (at most
+// ``limit`` loads a group; for timing only, 1: read once, unchecked; 0: not read at all), ``backoff``
+// ns apart (0: at once). Group g (< groups) is read from src(g). Polling group by group would cost a
+// round trip each: 26 a layer, not 6. The caller synchronises the consumers afterwards.
+template <class Group, int kMax, class Src>
+__device__ __forceinline__ void poll(int groups, Src src, float* dst, unsigned tag, unsigned limit, unsigned backoff) {
+  if (limit == 0) return;
+  Group v[kMax];
+#pragma unroll
+  for (int k = 0; k < kMax; ++k) {
+    const int g = threadIdx.x + k * kConsumers;
+    if (g < groups) v[k].load(src(g));
+  }
+#pragma unroll
+  for (int k = 0; k < kMax; ++k) {
+    const int g = threadIdx.x + k * kConsumers;
+    if (g >= groups) break;
+    for (unsigned spins = 1; !v[k].current(tag) && spins < limit; ++spins) {
+      if (backoff) __nanosleep(backoff);
+      v[k].load(src(g));
+    }
+    v[k].put(dst, g);
   }
 }
 
+// n bf16 words of X from its start (n a multiple of 4, at most kMax * 1,024).
+template <int kMax>
+__device__ __forceinline__ void poll_bf16(const unsigned* X, int n, unsigned tag, float* dst, unsigned limit,
+                                          unsigned backoff) {
+  poll<Bf16Group, kMax>(n / 4, [X](int g) { return X + 4 * g; }, dst, tag, limit, backoff);
+}
+
 // x[i] / rms(x) into xn (1,024 values). Thread t reads only x[4t, 4t + 4), which poll_bf16 of 1,024
-// words leaves to it, so no barrier is needed before; the consumers synchronise inside.
+// words leaves to it (group t), so no barrier is needed before; the consumers synchronise inside.
 __device__ __forceinline__ void normalise(const float* x, float* xn, float* red) {
   const int t = threadIdx.x;
   const float4 v = *reinterpret_cast<const float4*>(x + 4 * t);
@@ -110,15 +167,30 @@ __device__ __forceinline__ void normalise(const float* x, float* xn, float* red)
   consumers_sync();
 }
 
+// Timing only: thread 0's %globaltimer at ``event`` of ``layer`` (kEvents a layer: each phase's input
+// polled, then its output handed on), one u64 a block (null: none).
+constexpr int kEvents = 12;
+struct Stamps {
+  unsigned long long* at;
+  int layer;
+  __device__ __forceinline__ void operator()(int event) const {
+    if (at == nullptr || threadIdx.x != 0) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    at[(layer * kEvents + event) * gridDim.x + blockIdx.x] = now;
+  }
+};
+
 // The ring, as the consumers see it.
 struct Ring {
   const unsigned char* base;
   unsigned full0, empty0;
+  int slots;
   int i;  // the next chunk
 
   __device__ __forceinline__ const unsigned char* wait(int piece) const {
-    const int slot = i % kSlots;
-    mbar_wait(full0 + (slot * kPieces + piece) * 8, (i / kSlots) & 1);
+    const int slot = i % slots;
+    mbar_wait(full0 + (slot * kPieces + piece) * 8, (i / slots) & 1);
     return base + slot * kChunkBytes;
   }
   __device__ __forceinline__ const unsigned char* wait_all() const {
@@ -128,14 +200,14 @@ struct Ring {
   }
   __device__ __forceinline__ void release() {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(empty0 + (i % kSlots) * 8);
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty0 + (i % slots) * 8);
     ++i;
   }
 };
 
 // The warp's two rows (2w, 2w+1) of a 16-row block spanning NC chunks, against x (NC x 1,024 values
-// in shared memory): every lane gets both sums.
-template <int NC>
+// in shared memory): every lane gets both sums (or, kIlp without kReduce, its partial sums).
+template <int NC, bool kIlp, bool kReduce = true>
 __device__ __forceinline__ void rows_dot(Ring& ring, const float* x, float (&acc)[2]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   acc[0] = acc[1] = 0.f;
@@ -150,23 +222,28 @@ __device__ __forceinline__ void rows_dot(Ring& ring, const float* x, float (&acc
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         w[k] = *reinterpret_cast<const uint4*>(chunk + ((2 * warp + r) * kCols + lane * 8 + k * 256) * 2);
-      acc[r] += row_dot(w, xv);
+      // kIlp: the lane's partial sums, reduced over the warp once after the last chunk (not at all
+      // without kReduce: the caller reduces them with others)
+      acc[r] += kIlp ? lane_dot<4>(w, xv) : row_dot(w, xv);
     }
     ring.release();
   }
+  if constexpr (kIlp && kReduce) warp_sums(acc);
 }
 
 // Rows 16r .. 16r + 15 of a projection whose rows span NC chunks, against hand-off X (NC x 1,024
 // words, polled into xs), each plus its row of ``residual``: handed on to XN (and, given ``out``,
 // stored there unrounded).
-template <int NC>
+template <int NC, bool kIlp>
 __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, unsigned tag_in, float* xs,
                                                  const float* residual, unsigned* XN, unsigned tag_out, int r,
-                                                 float* out) {
-  poll_bf16(X, NC * kCols, tag_in, xs);
+                                                 float* out, unsigned limit, unsigned backoff, const Stamps& stamp,
+                                                 int event) {
+  poll_bf16<NC>(X, NC * kCols, tag_in, xs, limit, backoff);
   consumers_sync();
+  stamp(event);
   float acc[2];
-  rows_dot<NC>(ring, xs, acc);
+  rows_dot<NC, kIlp>(ring, xs, acc);
   const int row = 16 * r + 2 * (threadIdx.x >> 5);
   if ((threadIdx.x & 31) == 0)
 #pragma unroll
@@ -175,11 +252,13 @@ __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, 
       hand_bf16(XN, row + i, v, tag_out);
       if (out != nullptr) out[row + i] = v;
     }
+  stamp(event + 1);
 }
 
 // One (KV head, split) task: 64 cached rows of K and V (the chunk's rows 0-7 and 8-15) against the
 // head's two query rows (sh.qkv[0, 256)); each query head's unnormalised output, max and sum go to
 // hand-off 1.
+template <bool kIlp>
 __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long long* part, int task, unsigned tag) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const unsigned char* chunk = ring.wait_all();
@@ -225,98 +304,184 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
   consumers_sync();
   const int head = t >> 7, d = t & 127;
   float o = 0.f;
+  if constexpr (kIlp) {  // four independent sums
+    float o4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 64; ++j) o4[j % 4] = fmaf(sh.scores[head][j], __bfloat162float(V[j * 128 + d]), o4[j % 4]);
+    o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+  } else {
 #pragma unroll 8
-  for (int j = 0; j < 64; ++j) o = fmaf(sh.scores[head][j], __bfloat162float(V[j * 128 + d]), o);
+    for (int j = 0; j < 64; ++j) o = fmaf(sh.scores[head][j], __bfloat162float(V[j * 128 + d]), o);
+  }
   unsigned long long* dst = part + (task * 2 + head) * kPart;
   hand_f32(dst, d, o, tag);
   if (d < 2) hand_f32(dst, 128 + d, sh.stats[head][d], tag);
   ring.release();
 }
 
-__global__ void __launch_bounds__(kConsumers + 32, 1)
+// The block's chunks of a layer, in the order its consumers use them (ids into the layer's 1,088): A
+// chunks b, b + P, ...; B task P - 1 - b; C rows 16 * (b / 2) for even b < 128 (both halves); D pairs
+// (gate, then up); E rows 16 * (b / 2) for odd b < 128 (three thirds). Returns how many (<= 16).
+__device__ __forceinline__ int block_chunks(int b, int P, const int* my_pairs, int n_pairs, int (&ids)[16]) {
+  const int task = P - 1 - b;
+  int n = 0;
+  for (int a = b; a < kA; a += P) ids[n++] = a;
+  if (task < kB) ids[n++] = kB0 + task;
+  if (b < 128 && b % 2 == 0) ids[n++] = kC0 + b, ids[n++] = kC0 + b + 1;
+  for (int k = 0; k < n_pairs; ++k) ids[n++] = kD0 + 2 * my_pairs[k], ids[n++] = kD0 + 2 * my_pairs[k] + 1;
+  if (b < 128 && b % 2 == 1) {
+    const int r = b / 2;
+    ids[n++] = kE0 + 3 * r, ids[n++] = kE0 + 3 * r + 1, ids[n++] = kE0 + 3 * r + 2;
+  }
+  return n;
+}
+
+// A 16-byte load that asks L2 for the whole 256-byte block around it (not kept in L1).
+__device__ __forceinline__ unsigned touch_256(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v.x;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// The prefetcher warp: chunk j of the block's sequence once j < the producer's next + depth.
+__device__ void prefetch_ahead(const __nv_bfloat16* W, const int (&ids)[16], int n, int layers, int depth, int mode,
+                               const volatile int* producer_next) {
+  const int lane = threadIdx.x & 31;
+  unsigned sink = 0, pending0 = 0, pending1 = 0;
+  for (int j = 0; j < layers * n; ++j) {
+    int next;
+    while (j >= (next = *producer_next) + depth) __nanosleep(64);
+    if (j < next) continue;  // the producer has asked for it already
+    const char* chunk = reinterpret_cast<const char*>(W + (static_cast<long>(j / n) * kLayerChunks + ids[j % n]) *
+                                                              kChunkElems);
+    for (int p = 0; p < kPieces; ++p) {
+      const char* piece = chunk + p * (kChunkBytes / kPieces);
+      if (mode == 2) {
+        if (lane == 0) prefetch_l2(piece, kChunkBytes / kPieces);
+      } else {
+        // waits for the piece before last (at most two unanswered); volatile, so before the next load
+        asm volatile("xor.b32 %0, %0, %1;" : "+r"(sink) : "r"(pending0));
+        pending0 = pending1;
+        pending1 = touch_256(piece + lane * 256);
+      }
+    }
+  }
+  if ((sink ^ pending0 ^ pending1) == 0x9e3779b9u && depth < 0) asm volatile("trap;");  // keeps the loads
+}
+
+// kIlp: the consumers' sums in independent parts, reduced over the warp once a row (rows_dot, attend).
+template <bool kIlp>
+__global__ void __launch_bounds__(kConsumers + 64, 1)
     tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* pairs,
-                        unsigned seq, int layers, int ahead) {
+                        unsigned seq, int layers, int slots, int ahead, int depth, int prefetch, int check,
+                        bool copies, unsigned backoff, unsigned long long* stamps) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(16) Shared sh;
+  __shared__ int producer_next;  // the producer's next chunk, for the prefetcher
   const int b = blockIdx.x, P = gridDim.x;
-  const unsigned full0 = smem_addr(smem + kSlots * kChunkBytes);
-  const unsigned empty0 = full0 + kSlots * kPieces * 8;
-  // This block's work: A chunks b, b + P, ...; B task P - 1 - b; merge b (< 16); C rows 16 * (b / 2)
-  // for even b < 128; D pairs pairs[4b ..] (-1: no more); E rows 16 * (b / 2) for odd b < 128.
+  const unsigned full0 = smem_addr(smem + slots * kChunkBytes);
+  const unsigned empty0 = full0 + slots * kPieces * 8;
+  // This block's work (block_chunks); merge b (< 16); D pairs pairs[4b ..] (-1: no more).
   const int task = P - 1 - b;
   int my_pairs[4], n_pairs = 0;
   for (int k = 0; k < 4 && pairs[4 * b + k] >= 0; ++k) my_pairs[n_pairs++] = pairs[4 * b + k];
   const bool has_b = task < kB, has_m = b < 16, has_c = b < 128 && b % 2 == 0, has_e = b < 128 && b % 2 == 1;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kSlots; ++s) {
+    for (int s = 0; s < slots; ++s) {
       for (int p = 0; p < kPieces; ++p) mbar_init(full0 + (s * kPieces + p) * 8, 1);
       mbar_init(empty0 + s * 8, 8);  // one per consumer warp
     }
     mbar_init_fence();
+    producer_next = 0;
   }
   __syncthreads();
+  if (threadIdx.x >= kConsumers + 32) {  // the prefetcher warp
+    if (prefetch == 0) return;
+    int ids[16];
+    const int n = block_chunks(b, P, my_pairs, n_pairs, ids);
+    prefetch_ahead(W, ids, n, layers, depth, prefetch, &producer_next);
+    return;
+  }
   if (threadIdx.x >= kConsumers) {  // the producer: one thread copies the block's chunks in order
     if (threadIdx.x != kConsumers) return;
     const unsigned long long policy = evict_first_policy();
-    int ids[16], n = 0;
-    for (int a = b; a < kA; a += P) ids[n++] = a;
-    if (has_b) ids[n++] = kB0 + task;
-    if (has_c) ids[n++] = kC0 + b, ids[n++] = kC0 + b + 1;  // row chunk b / 2, both halves
-    for (int k = 0; k < n_pairs; ++k)  // gate, then up
-      ids[n++] = kD0 + 2 * my_pairs[k], ids[n++] = kD0 + 2 * my_pairs[k] + 1;
-    if (has_e) {
-      const int r = b / 2;
-      ids[n++] = kE0 + 3 * r, ids[n++] = kE0 + 3 * r + 1, ids[n++] = kE0 + 3 * r + 2;
-    }
+    int ids[16];
+    const int n = block_chunks(b, P, my_pairs, n_pairs, ids);
+    volatile int* next = &producer_next;
     int i = 0;
     for (int layer = 0; layer < layers; ++layer)
       for (int k = 0; k < n; ++k, ++i) {
-        const int slot = i % kSlots;
-        mbar_wait(empty0 + slot * 8, ((i / kSlots) & 1) ^ 1);
+        const int slot = i % slots;
+        mbar_wait(empty0 + slot * 8, ((i / slots) & 1) ^ 1);
         const __nv_bfloat16* src = W + (static_cast<long>(layer) * kLayerChunks + ids[k]) * kChunkElems;
         for (int p = 0; p < kPieces; ++p) {
-          wait_landed<kSlots, kPieces>(full0, i * kPieces + p - ahead);  // at most ``ahead`` in flight
+          const int o = i * kPieces + p - ahead;  // at most ``ahead`` in flight: copy o has landed
+          if (o >= 0) mbar_wait(full0 + ((o / kPieces) % slots * kPieces + o % kPieces) * 8, (o / kPieces / slots) & 1);
           const unsigned full = full0 + (slot * kPieces + p) * 8;
+          if (!copies) {  // timing only: the slot "lands" with what it held
+            mbar_arrive(full);
+            continue;
+          }
           expect_bytes(full, kChunkBytes / kPieces);
           bulk_copy(smem + slot * kChunkBytes + p * (kChunkBytes / kPieces), src + p * (kChunkElems / kPieces),
                     kChunkBytes / kPieces, full, policy);
         }
+        *next = i + 1;
       }
     return;
   }
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-  Ring ring{smem, full0, empty0, 0};
+  const unsigned limit = check == 1 ? kSpinLimit : check == 0 ? 1u : 0u;  // poll's limits
+  Ring ring{smem, full0, empty0, slots, 0};
   float acc[2], acc2[2];
   for (int layer = 0; layer < layers; ++layer) {
     const auto tag = [&](int handoff) { return tag_of(seq, layers, layer, handoff); };
+    const Stamps stamp{stamps, layer};
     // A: h, normalised; q/k/v rows
     if (layer == 0) {
       *reinterpret_cast<float4*>(sh.h + 4 * t) = *reinterpret_cast<const float4*>(h0 + 4 * t);
     } else {
-      poll_bf16(ho.h, kCols, tag_of(seq, layers, layer - 1, 5), sh.h);
+      poll_bf16<1>(ho.h, kCols, tag_of(seq, layers, layer - 1, 5), sh.h, limit, backoff);
     }
     normalise(sh.h, sh.xn, sh.red);
+    stamp(0);
     for (int a = b; a < kA; a += P) {
-      rows_dot<1>(ring, sh.xn, acc);
+      rows_dot<1, kIlp>(ring, sh.xn, acc);
       if (lane == 0)
 #pragma unroll
         for (int r = 0; r < 2; ++r) hand_bf16(ho.qkv, 16 * a + 2 * warp + r, acc[r], tag(0));
     }
+    stamp(1);
     // B: the head's q rows (and, as the real layer's dependency, its k and v rows)
     if (has_b) {
       const int head = task / 16;
-      poll_bf16(ho.qkv + 256 * head, 256, tag(0), sh.qkv);
-      poll_bf16(ho.qkv + 2048 + 128 * head, 128, tag(0), sh.qkv + 256);
-      poll_bf16(ho.qkv + 3072 + 128 * head, 128, tag(0), sh.qkv + 384);
+      const unsigned* q = ho.qkv + 256 * head;  // its 2 q rows, then its k and v rows
+      const unsigned* k = ho.qkv + 2048 + 128 * head;
+      const unsigned* v = ho.qkv + 3072 + 128 * head;
+      const auto src = [=](int g) { return g < 64 ? q + 4 * g : g < 96 ? k + 4 * (g - 64) : v + 4 * (g - 96); };
+      poll<Bf16Group, 1>(128, src, sh.qkv, tag(0), limit, backoff);
       consumers_sync();
-      attend(ring, sh, ho.part, task, tag(1));
+      stamp(2);
+      attend<kIlp>(ring, sh, ho.part, task, tag(1));
+      stamp(3);
     }
     // M: query head b's 16 partials merged
     if (has_m) {
       const int kv = b / 2, q = b % 2;
-      for (int s = 0; s < 16; ++s)
-        poll_f32(ho.part + ((kv * 16 + s) * 2 + q) * kPart, kPart, tag(1), sh.part + s * kPart);
+      const unsigned long long* part = ho.part;
+      const auto src = [=](int g) {  // group g: split g / 65's words 2 (g % 65), +1
+        return part + ((kv * 16 + g / (kPart / 2)) * 2 + q) * kPart + 2 * (g % (kPart / 2));
+      };
+      poll<F32Group, 5>(16 * kPart / 2, src, sh.part, tag(1), limit, backoff);
       consumers_sync();
+      stamp(4);
       if (t < 128) {
         float m = -INFINITY;
         for (int s = 0; s < 16; ++s) m = fmaxf(m, sh.part[s * kPart + 128]);
@@ -328,16 +493,27 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
         }
         hand_bf16(ho.att, 128 * b + t, o / l, tag(2));
       }
+      stamp(5);
+      consumers_sync();  // the partials are read before sh.att (the same buffer) is written
     }
     // C: 16 rows of the output projection, plus h
-    if (has_c) project_residual<2>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr);
+    if (has_c) project_residual<2, kIlp>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
     // D: h_mid normalised; gate and up rows, silu(gate) * up
-    poll_bf16(ho.hmid, kCols, tag(3), sh.hmid);
+    poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
     normalise(sh.hmid, sh.xn, sh.red);
+    stamp(8);
     for (int k = 0; k < n_pairs; ++k) {
       const int j = my_pairs[k];
-      rows_dot<1>(ring, sh.xn, acc);
-      rows_dot<1>(ring, sh.xn, acc2);
+      if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
+        rows_dot<1, true, false>(ring, sh.xn, acc);
+        rows_dot<1, true, false>(ring, sh.xn, acc2);
+        float sums[4] = {acc[0], acc[1], acc2[0], acc2[1]};
+        warp_sums(sums);
+        acc[0] = sums[0], acc[1] = sums[1], acc2[0] = sums[2], acc2[1] = sums[3];
+      } else {
+        rows_dot<1, false>(ring, sh.xn, acc);
+        rows_dot<1, false>(ring, sh.xn, acc2);
+      }
       if (lane == 0)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -345,8 +521,9 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
           hand_bf16(ho.act, 16 * j + 2 * warp + r, silu * acc2[r], tag(4));
         }
     }
+    stamp(9);
     // E: 16 rows of the down projection, plus h_mid
-    if (has_e) project_residual<3>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out);
+    if (has_e) project_residual<3, kIlp>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
   }
 }
 
@@ -357,10 +534,18 @@ int64_t layer_chunks() { return kLayerChunks; }
 // W: bf16 [layers * 1,088, 16, 1,024] (bench_tagged_layer.py packs it); h0: float32 [1,024]; words:
 // int32 [>= 4096 + 2048 + 1024 + 3072 + 1024] (zeroed once); part: int64 [128 * 2 * 130]; out:
 // float32 [1,024]; pairs: int32 [programs, 4], each block's gate/up pairs (-1: no more; every pair
-// once); seq: new for each launch; ahead: 8 KB copies in flight a block, 1 to 20.
+// once); seq: new for each launch; slots: the ring's, 5 or 6; ahead: 8 KB copies in flight a block, 1 to
+// 4 * slots (the whole ring: no cap); prefetch: 0 (none),
+// 1 (loads with the L2::256B hint) or 2 (bulk L2 prefetches), up to ``depth`` chunks past the producer's;
+// check: 1 polls every hand-off until its tags are current; for timing only (races), 0 reads it once
+// without checking them and -1 does not read it at all; copies: false copies no weights (timing only:
+// the consumers compute on whatever the ring holds); backoff: ns between polls of a group (0: none);
+// stamps: int64 [layers * 12 * programs] of %globaltimer stamps (Stamps), or an empty tensor for none;
+// ilp: the consumers' sums in independent parts (tagged_layer_kernel<true>).
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
             torch::Tensor& out, const torch::Tensor& pairs, int64_t layers, int64_t programs, int64_t seq,
-            int64_t ahead) {
+            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, int64_t backoff,
+            torch::Tensor& stamps, bool ilp) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
   TORCH_CHECK(h0.scalar_type() == torch::kFloat32 && h0.numel() >= kCols, "h0: float32 [1024]");
@@ -370,16 +555,27 @@ void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& word
   TORCH_CHECK(programs >= 128 && programs <= 256, "programs: 128 to 256, not ", programs);
   TORCH_CHECK(pairs.is_cuda() && pairs.scalar_type() == torch::kInt32 && pairs.numel() == programs * 4,
               "pairs: int32 [programs, 4] on CUDA");
-  TORCH_CHECK(ahead >= 1 && ahead <= kSlots * kPieces, "ahead: 1 to ", kSlots * kPieces, ", not ", ahead);
+  TORCH_CHECK(slots == 5 || slots == kMaxSlots, "slots: 5 or 6, not ", slots);
+  TORCH_CHECK(ahead >= 1 && ahead <= slots * kPieces, "ahead: 1 to ", slots * kPieces, ", not ", ahead);
+  TORCH_CHECK(check >= -1 && check <= 1, "check: -1, 0 or 1, not ", check);
+  TORCH_CHECK(backoff >= 0 && backoff <= 10000, "backoff: 0 to 10,000 ns, not ", backoff);
+  TORCH_CHECK(stamps.numel() == 0 || (stamps.is_cuda() && stamps.scalar_type() == torch::kInt64 &&
+                                      stamps.numel() >= layers * kEvents * programs),
+              "stamps: empty, or int64 [layers * 12 * programs] on CUDA");
+  TORCH_CHECK(prefetch >= 0 && prefetch <= 2, "prefetch: 0, 1 or 2, not ", prefetch);
+  TORCH_CHECK(prefetch == 0 || (depth >= 1 && depth <= 64), "depth: 1 to 64 chunks, not ", depth);
   auto* w = reinterpret_cast<unsigned*>(words.data_ptr<int>());
   const Handoffs ho{w, reinterpret_cast<unsigned long long*>(part.data_ptr<int64_t>()), w + 4096, w + 6144, w + 7168,
                     w + 10240};
-  const int bytes = kSlots * kChunkBytes + (kPieces + 1) * kSlots * 8;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(tagged_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  tagged_layer_kernel<<<programs, kConsumers + 32, bytes, at::cuda::getCurrentCUDAStream()>>>(
+  const int bytes = slots * kChunkBytes + (kPieces + 1) * slots * 8;
+  const auto kernel = ilp ? tagged_layer_kernel<true> : tagged_layer_kernel<false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<programs, kConsumers + 64, bytes, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()), h0.data_ptr<float>(), ho,
       out.data_ptr<float>(), pairs.data_ptr<int>(), static_cast<unsigned>(seq), static_cast<int>(layers),
-      static_cast<int>(ahead));
+      static_cast<int>(slots), static_cast<int>(ahead), static_cast<int>(depth), static_cast<int>(prefetch),
+      static_cast<int>(check), copies, static_cast<unsigned>(backoff),
+      stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
