@@ -25,7 +25,9 @@ checked (``--unchecked``), no hand-off read at all (``--no-input``), no weight b
 the chain of hand-offs alone (``--no-bytes``); ``--stamps`` then times each step of a layer from
 every block's ``%globaltimer``. Variants: a sixth ring slot (``--slots``), a prefetcher warp
 asking L2 for the next chunks (``--prefetch``), polls that back off (``--backoff``), and the
-consumers' dot products as one chain of multiply-adds (``--sums chained``, session 38's).
+consumers' dot products as one chain of multiply-adds (``--sums chained``, session 38's), and the
+input of q/k/v and gate/up held in registers for the phase (``--input held``; compiled, not yet
+timed, in session 39).
 
 Usage:
     python benchmarks/bench_tagged_layer.py                      # caps of 16, 32 and 160 KB
@@ -160,8 +162,9 @@ def engine_launch(kv: int):
 
 
 PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
-# slots, 8 KB copies in flight, pair layout, (prefetch, depth), ns between polls, independent sums
-Design = tuple[int, int, str, tuple[int, int], int, bool]
+# slots, 8 KB copies in flight, pair layout, (prefetch, depth), ns between polls, independent sums,
+# q/k/v's and gate/up's input held in registers
+Design = tuple[int, int, str, tuple[int, int], int, bool, bool]
 
 
 def prefetch_mode(spec: str) -> tuple[int, int]:
@@ -196,6 +199,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--sums", nargs="+", default=["independent"], choices=["independent", "chained"],
         help="the consumers' dot products: four independent sums a lane, reduced over the warp once a row, or "
         "(session 38) one chain of multiply-adds, reduced after every chunk",
+    )  # fmt: skip
+    p.add_argument(
+        "--input", nargs="+", default=["shared"], choices=["shared", "held"],
+        help="q/k/v's and gate/up's input: its lane slice read from shared memory for every chunk, or held "
+        "in registers for the phase",
     )  # fmt: skip
     p.add_argument(
         "--backoff",
@@ -263,14 +271,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch(layers: int, design: Design, check: int = 1, copies: bool = True, stamps=no_stamps) -> None:
         seq[0] += 1  # consecutive launches: no word keeps a tag of this one
-        slots, ahead, table, prefetch, backoff, ilp = design
+        slots, ahead, table, prefetch, backoff, ilp, held = design
         ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], slots, min(ahead, 4 * slots),
-                   *prefetch, check, copies, backoff, stamps, ilp)  # fmt: skip
+                   *prefetch, check, copies, backoff, stamps, ilp, held)  # fmt: skip
 
     designs = {
         f"tagged stream, {r} slots, ≤ {min(a, 4 * r) * 8} KB in flight{t}{prefetch_label(f)}"
         + (f", polls {n} ns apart" if n else "")
-        + ("" if sums == "independent" else ", sums chained"): (r, a, t, prefetch_mode(f), n, sums == "independent")
+        + ("" if sums == "independent" else ", sums chained")
+        + (", input held in registers" if held == "held" else ""):
+        (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held")
+        for held in args.input
         for sums in args.sums
         for n in args.backoff
         for f in args.prefetch

@@ -205,17 +205,48 @@ struct Ring {
   }
 };
 
-// The warp's two rows (2w, 2w+1) of a 16-row block spanning NC chunks, against x (NC x 1,024 values
-// in shared memory): every lane gets both sums (or, kIlp without kReduce, its partial sums).
-template <int NC, bool kIlp, bool kReduce = true>
-__device__ __forceinline__ void rows_dot(Ring& ring, const float* x, float (&acc)[2]) {
+// A phase's input as rows_dot reads it: from shared memory, the lane's slice of chunk c's columns
+// loaded for each chunk, or (HeldInput, phases whose chunks all read the same 1,024 values: q/k/v
+// and gate/up) kept in registers for the whole phase, so that a chunk's shared-memory reads are its
+// weights only.
+struct SharedInput {
+  const float* x;
+  __device__ __forceinline__ void slice(int c, float (&xv)[4][8]) const { lane_slice(x + c * kCols, threadIdx.x & 31, xv); }
+};
+
+struct HeldInput {
+  float xv[4][8];
+  __device__ __forceinline__ void slice(int, float (&out)[4][8]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[k][e] = xv[k][e];
+  }
+};
+
+// body(input) for the phase input x (1,024 values in shared memory), held in registers if kHeld.
+template <bool kHeld, class Body>
+__device__ __forceinline__ void with_input(const float* x, Body body) {
+  if constexpr (kHeld) {
+    HeldInput in;
+    lane_slice(x, threadIdx.x & 31, in.xv);
+    body(in);
+  } else {
+    body(SharedInput{x});
+  }
+}
+
+// The warp's two rows (2w, 2w+1) of a 16-row block spanning NC chunks, against the input (NC x 1,024
+// values): every lane gets both sums (or, kIlp without kReduce, its partial sums).
+template <int NC, bool kIlp, bool kReduce = true, class Input>
+__device__ __forceinline__ void rows_dot(Ring& ring, const Input& input, float (&acc)[2]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   acc[0] = acc[1] = 0.f;
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     const unsigned char* chunk = ring.wait(warp / 2);  // the copy that holds the warp's rows
     float xv[4][8];
-    lane_slice(x + c * kCols, lane, xv);
+    input.slice(c, xv);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       uint4 w[4];
@@ -243,7 +274,7 @@ __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, 
   consumers_sync();
   stamp(event);
   float acc[2];
-  rows_dot<NC, kIlp>(ring, xs, acc);
+  rows_dot<NC, kIlp>(ring, SharedInput{xs}, acc);
   const int row = 16 * r + 2 * (threadIdx.x >> 5);
   if ((threadIdx.x & 31) == 0)
 #pragma unroll
@@ -376,8 +407,9 @@ __device__ void prefetch_ahead(const __nv_bfloat16* W, const int (&ids)[16], int
   if ((sink ^ pending0 ^ pending1) == 0x9e3779b9u && depth < 0) asm volatile("trap;");  // keeps the loads
 }
 
-// kIlp: the consumers' sums in independent parts, reduced over the warp once a row (rows_dot, attend).
-template <bool kIlp>
+// kIlp: the consumers' sums in independent parts, reduced over the warp once a row (rows_dot, attend);
+// kHeld: q/k/v's and gate/up's input held in registers for the phase (HeldInput).
+template <bool kIlp, bool kHeld>
 __global__ void __launch_bounds__(kConsumers + 64, 1)
     tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* pairs,
                         unsigned seq, int layers, int slots, int ahead, int depth, int prefetch, int check,
@@ -452,12 +484,14 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
     }
     normalise(sh.h, sh.xn, sh.red);
     stamp(0);
-    for (int a = b; a < kA; a += P) {
-      rows_dot<1, kIlp>(ring, sh.xn, acc);
-      if (lane == 0)
+    with_input<kHeld>(sh.xn, [&](const auto& input) {
+      for (int a = b; a < kA; a += P) {
+        rows_dot<1, kIlp>(ring, input, acc);
+        if (lane == 0)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) hand_bf16(ho.qkv, 16 * a + 2 * warp + r, acc[r], tag(0));
-    }
+          for (int r = 0; r < 2; ++r) hand_bf16(ho.qkv, 16 * a + 2 * warp + r, acc[r], tag(0));
+      }
+    });
     stamp(1);
     // B: the head's q rows (and, as the real layer's dependency, its k and v rows)
     if (has_b) {
@@ -502,25 +536,27 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
     poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
     normalise(sh.hmid, sh.xn, sh.red);
     stamp(8);
-    for (int k = 0; k < n_pairs; ++k) {
-      const int j = my_pairs[k];
-      if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
-        rows_dot<1, true, false>(ring, sh.xn, acc);
-        rows_dot<1, true, false>(ring, sh.xn, acc2);
-        float sums[4] = {acc[0], acc[1], acc2[0], acc2[1]};
-        warp_sums(sums);
-        acc[0] = sums[0], acc[1] = sums[1], acc2[0] = sums[2], acc2[1] = sums[3];
-      } else {
-        rows_dot<1, false>(ring, sh.xn, acc);
-        rows_dot<1, false>(ring, sh.xn, acc2);
-      }
-      if (lane == 0)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float silu = acc[r] / (1.f + expf(-acc[r]));
-          hand_bf16(ho.act, 16 * j + 2 * warp + r, silu * acc2[r], tag(4));
+    with_input<kHeld>(sh.xn, [&](const auto& input) {
+      for (int k = 0; k < n_pairs; ++k) {
+        const int j = my_pairs[k];
+        if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
+          rows_dot<1, true, false>(ring, input, acc);
+          rows_dot<1, true, false>(ring, input, acc2);
+          float sums[4] = {acc[0], acc[1], acc2[0], acc2[1]};
+          warp_sums(sums);
+          acc[0] = sums[0], acc[1] = sums[1], acc2[0] = sums[2], acc2[1] = sums[3];
+        } else {
+          rows_dot<1, false>(ring, input, acc);
+          rows_dot<1, false>(ring, input, acc2);
         }
-    }
+        if (lane == 0)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float silu = acc[r] / (1.f + expf(-acc[r]));
+            hand_bf16(ho.act, 16 * j + 2 * warp + r, silu * acc2[r], tag(4));
+          }
+      }
+    });
     stamp(9);
     // E: 16 rows of the down projection, plus h_mid
     if (has_e) project_residual<3, kIlp>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
@@ -541,11 +577,11 @@ int64_t layer_chunks() { return kLayerChunks; }
 // without checking them and -1 does not read it at all; copies: false copies no weights (timing only:
 // the consumers compute on whatever the ring holds); backoff: ns between polls of a group (0: none);
 // stamps: int64 [layers * 12 * programs] of %globaltimer stamps (Stamps), or an empty tensor for none;
-// ilp: the consumers' sums in independent parts (tagged_layer_kernel<true>).
+// ilp: the consumers' sums in independent parts; held: q/k/v's and gate/up's input in registers.
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
             torch::Tensor& out, const torch::Tensor& pairs, int64_t layers, int64_t programs, int64_t seq,
             int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, int64_t backoff,
-            torch::Tensor& stamps, bool ilp) {
+            torch::Tensor& stamps, bool ilp, bool held) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
   TORCH_CHECK(h0.scalar_type() == torch::kFloat32 && h0.numel() >= kCols, "h0: float32 [1024]");
@@ -568,7 +604,8 @@ void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& word
   const Handoffs ho{w, reinterpret_cast<unsigned long long*>(part.data_ptr<int64_t>()), w + 4096, w + 6144, w + 7168,
                     w + 10240};
   const int bytes = slots * kChunkBytes + (kPieces + 1) * slots * 8;
-  const auto kernel = ilp ? tagged_layer_kernel<true> : tagged_layer_kernel<false>;
+  const auto kernel = ilp ? (held ? tagged_layer_kernel<true, true> : tagged_layer_kernel<true, false>)
+                          : (held ? tagged_layer_kernel<false, true> : tagged_layer_kernel<false, false>);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   kernel<<<programs, kConsumers + 64, bytes, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()), h0.data_ptr<float>(), ho,

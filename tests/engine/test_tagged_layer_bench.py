@@ -1,6 +1,6 @@
 """``benchmarks/bench_tagged_layer.py``: the Qwen3-0.6B-shaped tagged stream computes the layer it
-times (against float64 with the same bf16 roundings), under every cap, pair layout and L2
-prefetcher it offers, and the engine's launch it is compared with runs (GPU); its gate/up pair
+times (against float64 with the same bf16 roundings), under every ring, cap, pair layout, L2
+prefetcher, sum order and input it offers, and the engine's launch it is compared with runs (GPU); its gate/up pair
 layouts cover every pair once, bad ``--prefetch`` kinds are refused by name, and a layer's steps
 come out of its per-block stamps (CPU)."""
 
@@ -14,18 +14,8 @@ import torch
 def test_tagged_layer_matches_float64(load_benchmark, capsys):
     bench = load_benchmark("bench_tagged_layer")
     argv = ["--layers", "6", "--check-layers", "2", "--ahead", "2", "20", "--round-robin"]
-    argv += [
-        "--slots",
-        "5",
-        "6",
-        "--prefetch",
-        "none",
-        "loads:2",
-        "bulk:8",
-        "--sums",
-        "independent",
-        "chained",
-    ]
+    argv += ["--slots", "5", "6", "--input", "shared", "held"]
+    argv += ["--prefetch", "none", "loads:2", "bulk:8", "--sums", "independent", "chained"]
     argv += ["--unchecked", "--no-input", "--no-bytes", "--stamps"]
     assert bench.main([*argv, "--repeats", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
@@ -33,12 +23,13 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
         part.rsplit(" ", 1)
         for part in out.split("relative to the largest value: ")[1].splitlines()[0].split("; ")
     )
-    assert len(errors) == 96  # 2 sums × 2 rings × 2 caps × 2 pair layouts × 3 prefetchers × 2 checks
+    # 2 inputs × 2 sums × 2 rings × 2 caps × 2 pair layouts × 3 prefetchers × (end to end, last phase)
+    assert len(errors) == 192
     for name, error in errors.items():
         assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
     assert "engine's persistent launch" in out and "gate/up round robin" in out
     assert "L2 asked 2 chunks ahead (loads)" in out and "tags unchecked" in out and "no weight bytes" in out
-    assert "Where a layer goes" in out
+    assert "Where a layer goes" in out and "input held in registers" in out
 
 
 def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
