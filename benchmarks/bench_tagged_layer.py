@@ -24,7 +24,7 @@ To see where a layer's time goes (session 39), timing-only rows take parts away:
 checked (``--unchecked``), no hand-off read at all (``--no-input``), no weight bytes copied, so
 the chain of hand-offs alone (``--no-bytes``); ``--stamps`` then times each step of a layer from
 every block's ``%globaltimer``. Variants: a sixth ring slot (``--slots``), a prefetcher warp
-asking L2 for the next chunks (``--prefetch``), polls that back off (``--backoff``), and the
+asking L2 for the next chunks (``--prefetch``), polls that back off (``--backoff``), the
 consumers' dot products as one chain of multiply-adds (``--sums chained``, session 38's), and the
 input of q/k/v and gate/up held in registers for the phase (``--input held``; compiled, not yet
 timed, in session 39).
@@ -190,7 +190,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ahead", type=int, nargs="+", default=[2, 4, 20],
-        help="8 KB copies a block may have requested and not yet received (20: the whole ring, no cap)",
+        help="8 KB copies a block may have requested and not yet received (4 × the slots: the whole ring, no "
+        "cap; larger values are cut to that)",
     )  # fmt: skip
     p.add_argument(
         "--slots", type=int, nargs="+", default=[5], choices=[5, 6], help="32 KB slots of the ring"
@@ -269,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
     no_stamps = torch.empty(0, device=dev, dtype=torch.int64)
 
-    def launch(layers: int, design: Design, check: int = 1, copies: bool = True, stamps=no_stamps) -> None:
+    def launch(
+        layers: int, design: Design, check: int = 1, copies: bool = True, stamps: torch.Tensor = no_stamps
+    ) -> None:
         seq[0] += 1  # consecutive launches: no word keeps a tag of this one
         slots, ahead, table, prefetch, backoff, ilp, held = design
         ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], slots, min(ahead, 4 * slots),
@@ -388,9 +391,8 @@ def step_medians(stamps: torch.Tensor) -> dict[str, float]:
     """``[layers, 12, blocks]`` globaltimer stamps (0: the block has no such event) as the median over
     layers of each step: the latest block's stamp at each event, differences in µs."""
     last = stamps.max(dim=2).values.double()  # blocks without the event wrote 0
-    ends = torch.cat(
-        [last[:-1, 1:], last[1:, :1]], dim=1
-    )  # each event's next: the layer's, then layer + 1's A
+    # each event's next: the layer's next event, and for the last, layer + 1's first
+    ends = torch.cat([last[:-1, 1:], last[1:, :1]], dim=1)
     steps = torch.cat([ends - last[:-1], (last[1:, 0] - last[:-1, 0])[:, None]], dim=1) / 1e3
     return dict(zip(STEPS, steps.median(dim=0).values.tolist(), strict=True))
 
