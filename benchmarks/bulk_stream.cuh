@@ -58,13 +58,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
       : "memory");
 }
 
-// Wait until copy ``o`` of a ring of kSlots slots of kPieces copies (one mbarrier each, slot-major
-// from ``full0``) has landed; o < 0: nothing to wait for. The producer calls it before copy
-// o + ahead, so that at most ``ahead`` copies are requested and not yet landed; copy o's mbarrier
-// is not re-armed before then as long as ahead < kSlots * kPieces.
-template <int kSlots, int kPieces>
-__device__ __forceinline__ void wait_landed(unsigned full0, int o) {
-  if (o >= 0) mbar_wait(full0 + ((o / kPieces) % kSlots * kPieces + o % kPieces) * 8, (o / kPieces / kSlots) & 1);
+// Wait until copy ``o`` of a ring of ``slots`` slots of kPieces copies (one mbarrier each,
+// slot-major from ``full0``) has landed; o < 0: nothing to wait for. The producer calls it before
+// copy o + ahead, so that at most ``ahead`` copies are requested and not yet landed. With ahead <=
+// slots * kPieces copy o's mbarrier is not re-armed before then (at equality it is the slot's last
+// use, which the consumers have released, so its phase is complete).
+template <int kPieces>
+__device__ __forceinline__ void wait_landed(unsigned full0, int o, int slots) {
+  if (o >= 0) mbar_wait(full0 + ((o / kPieces) % slots * kPieces + o % kPieces) * 8, (o / kPieces / slots) & 1);
 }
 
 __device__ __forceinline__ unsigned tagged_word(float v, unsigned tag) {

@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1)
           mbar_wait(empty0 + slot * 8, ((i / kSlots) & 1) ^ 1);
           const long row0 = (static_cast<long>(layer * kChunks + j) * programs + pid) * 16;
           for (int piece = 0; piece < kPieces; ++piece) {  // several copies in flight per chunk
-            wait_landed<kSlots, kPieces>(full0, i * kPieces + piece - ahead);  // at most ``ahead`` in flight
+            wait_landed<kPieces>(full0, i * kPieces + piece - ahead, kSlots);  // at most ``ahead`` in flight
             const unsigned full = full0 + (slot * kPieces + piece) * 8;
             expect_bytes(full, kChunkBytes / kPieces);
             bulk_copy(ring + slot * kChunkBytes + piece * (kChunkBytes / kPieces),

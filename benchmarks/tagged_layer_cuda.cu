@@ -454,8 +454,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
         mbar_wait(empty0 + slot * 8, ((i / slots) & 1) ^ 1);
         const __nv_bfloat16* src = W + (static_cast<long>(layer) * kLayerChunks + ids[k]) * kChunkElems;
         for (int p = 0; p < kPieces; ++p) {
-          const int o = i * kPieces + p - ahead;  // at most ``ahead`` in flight: copy o has landed
-          if (o >= 0) mbar_wait(full0 + ((o / kPieces) % slots * kPieces + o % kPieces) * 8, (o / kPieces / slots) & 1);
+          wait_landed<kPieces>(full0, i * kPieces + p - ahead, slots);  // at most ``ahead`` in flight
           const unsigned full = full0 + (slot * kPieces + p) * 8;
           if (!copies) {  // timing only: the slot "lands" with what it held
             mbar_arrive(full);
