@@ -59,17 +59,23 @@ def packed_weights(layers: int, device: torch.device, seed: int = 0) -> torch.Te
     return w.to(torch.bfloat16)
 
 
-def unpack(layer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One layer's matrices (float64) from its packed chunks."""
+def unpack(layer: torch.Tensor, spread: bool = False) -> dict[str, torch.Tensor]:
+    """One layer's matrices (float64) from its packed chunks. Gate/up chunks come in pairs (gate rows
+    16j.., then up rows 16j..) or, ``spread``, one a task (rows 2w and 2w + 1: gate and up row 8j + w)."""
     c = layer.double()
+    gate_up = (
+        c[A + B + C : A + B + C + D].reshape(D, 8, 2, 1024).permute(2, 0, 1, 3)
+        if spread
+        else c[A + B + C : A + B + C + D].reshape(D // 2, 2, 16, 1024).transpose(0, 1)
+    ).reshape(2, 3072, 1024)
     kv = c[A : A + B].reshape(KV_HEADS, 16, 2, 64, HEAD_DIM)  # task = head * 16 + split: K rows, then V rows
     return {
         "qkv": c[:A].reshape(4096, 1024),
         "k": kv[:, :, 0].reshape(KV_HEADS, KV_ROWS, HEAD_DIM),
         "v": kv[:, :, 1].reshape(KV_HEADS, KV_ROWS, HEAD_DIM),
         "o": c[A + B : A + B + C].reshape(64, 2, 16, 1024).permute(0, 2, 1, 3).reshape(1024, 2048),
-        "gate": c[A + B + C : A + B + C + D].reshape(192, 2, 16, 1024)[:, 0].reshape(3072, 1024),
-        "up": c[A + B + C : A + B + C + D].reshape(192, 2, 16, 1024)[:, 1].reshape(3072, 1024),
+        "gate": gate_up[0],
+        "up": gate_up[1],
         "down": c[A + B + C + D :].reshape(64, 3, 16, 1024).permute(0, 2, 1, 3).reshape(1024, 3072),
     }
 
@@ -83,11 +89,12 @@ def rms_normalised(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference(W: torch.Tensor, h0: torch.Tensor, layers: int) -> torch.Tensor:
-    """The last layer's new residual, unrounded, in float64 with the kernel's bf16 hand-offs."""
+def reference(W: torch.Tensor, h0: torch.Tensor, layers: int, spread: bool = False) -> torch.Tensor:
+    """The last layer's new residual, unrounded, in float64 with the kernel's bf16 hand-offs (gate/up
+    packed a chunk a task given ``spread``: unpack)."""
     h = h0.double()
     for layer in range(layers):
-        m = unpack(W[layer])
+        m = unpack(W[layer], spread)
         qkv = bf16(m["qkv"] @ rms_normalised(h))
         q = qkv[:2048].reshape(KV_HEADS, 2, HEAD_DIM)
         scores = torch.einsum("gid,gtd->git", q, m["k"]) / HEAD_DIM**0.5
@@ -109,6 +116,42 @@ def handed_on(words: torch.Tensor, tag: int) -> torch.Tensor | None:
     return ((w & 0xFFFF) << 16).int().view(torch.float32).double()
 
 
+def handed_on_f32(words: torch.Tensor, tag: int) -> torch.Tensor | None:
+    """The float32 values of 64-bit tagged words (value low, tag high), or None if any carries another tag."""
+    if not bool(((words >> 32) == tag).all()):
+        return None
+    return (words & 0xFFFFFFFF).int().view(torch.float32).double()
+
+
+def last_phase_error(
+    layer: torch.Tensor,
+    words: torch.Tensor,
+    part: torch.Tensor,
+    out: torch.Tensor,
+    seq: int,
+    layers: int,
+    partials: bool,
+) -> float:
+    """The last layer's down projection against float64 from the words it was handed, relative to
+    the largest value (inf if a word carries a stale tag): today's ``out`` = h_mid + down · act, or (the
+    spread layout's ``partials``) the three partial sums, each down's third · act's."""
+    act = handed_on(words[7168:10240], tag_of(seq, layers, layers - 1, 4))
+    down = unpack(layer)["down"]
+    if partials:
+        parts = handed_on_f32(part[-3072:], tag_of(seq, layers, layers - 1, 5))
+        if act is None or parts is None:
+            return float("inf")
+        ref = torch.cat(
+            [down[:, k * 1024 : (k + 1) * 1024] @ act[k * 1024 : (k + 1) * 1024] for k in range(3)]
+        )
+        return ((parts - ref).abs().max() / ref.abs().max()).item()
+    h_mid = handed_on(words[6144:7168], tag_of(seq, layers, layers - 1, 3))
+    if act is None or h_mid is None:
+        return float("inf")
+    ref = h_mid + down @ act
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
 def tag_of(seq: int, layers: int, layer: int, handoff: int) -> int:
     return 1 + (seq * 6 * layers + layer * 6 + handoff) % 65535
 
@@ -123,12 +166,46 @@ def gate_up_pairs(programs: int, balanced: bool) -> torch.Tensor:
             b = j % programs
             table[b, (table[b] >= 0).sum()] = j
         return table
-    load = [len(range(b, A, programs)) + (programs - 1 - b < B) + (2 if b < 128 and b % 2 == 0 else 0)
-            + (3 if b < 128 and b % 2 == 1 else 0) for b in range(programs)]  # fmt: skip
+    load = fixed_chunks(programs, today_c_e=True)
     for j in range(D // 2):
         b = min((b for b in range(programs) if (table[b] >= 0).sum() < 4), key=lambda b: (load[b], b))
         table[b, (table[b] >= 0).sum()] = j
         load[b] += 2
+    return table
+
+
+def fixed_chunks(programs: int, today_c_e: bool = False) -> list[int]:
+    """Each block's A and B chunks a layer (tagged_layer_cuda.cu's block_chunks), and ``today_c_e``
+    its C and E chunks in today's layout (2 on even blocks below 128, 3 on odd ones)."""
+    return [
+        len(range(b, A, programs)) + (programs - 1 - b < B) + (b < 128) * (2 + b % 2) * today_c_e
+        for b in range(programs)
+    ]
+
+
+def spread_tasks(programs: int, only_d: bool = False) -> torch.Tensor:
+    """``[programs, 6]`` int32 for the spread layouts: each block's C task (16 rows × one half of the
+    output projection), up to 3 D chunks (8 gate and 8 up rows) and up to 2 E tasks (16 rows × one
+    third of down), -1: none; ``only_d``: D's chunks only (C and E on today's 64 blocks each). Each
+    phase's tasks go one by one to the block with the fewest chunks so far among those under the
+    phase's cap (its tasks ÷ the blocks, rounded up), so that every phase is as short as it can be
+    and no block streams more than it must."""
+    if not 128 <= programs <= 256:
+        raise ValueError(f"programs: 128 to 256, not {programs}")
+    table = torch.full((programs, 6), -1, dtype=torch.int32)
+    load = fixed_chunks(programs)
+    phases = [(D, 1, -(-D // programs))]
+    if only_d:
+        load = fixed_chunks(programs, today_c_e=True)
+    else:
+        phases = [(C, 0, 1), *phases, (E, 4, -(-E // programs))]
+    for tasks, first, cap in phases:
+        count = [0] * programs
+        for task in range(tasks):
+            b = min((b for b in range(programs) if count[b] < cap), key=lambda b: (load[b], b))
+            table[b, first + count[b]] = task
+            count[b] += 1
+            load[b] += 1
     return table
 
 
@@ -162,6 +239,8 @@ def engine_launch(kv: int):
 
 
 PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
+SPREAD, SPREAD_D = ", spread layout", ", gate/up spread"  # the tables' keys of spread_tasks
+LAYOUTS = {SPREAD: 1, SPREAD_D: 2}  # the kernel's layout of a table (0: today's)
 # slots, 8 KB copies in flight, pair layout, (prefetch, depth), ns between polls, independent sums,
 # q/k/v's and gate/up's input held in registers
 Design = tuple[int, int, str, tuple[int, int], int, bool, bool]
@@ -217,6 +296,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--round-robin", action="store_true", help="also run round-robin gate/up pairs (unbalanced)"
     )
     p.add_argument(
+        "--layout", nargs="+", default=["today"], choices=["today", "spread", "spread-d"],
+        help="C, D and E on 64, all and 64 blocks (today: 14 chunks on the critical path), every phase "
+        "spread a chunk a task over all blocks (spread: 9, C's and E's partial sums gathered by every "
+        "block), or only D (spread-d: 11; spread_tasks; the spread layouts' sums independent only)",
+    )  # fmt: skip
+    p.add_argument(
         "--prefetch", nargs="+", default=["none"], metavar="KIND[:DEPTH]",
         help="rows with a prefetcher warp asking L2 for the block's next DEPTH chunks past the producer's: "
         "'loads' (16-byte loads with the L2::256B hint, two 8 KB pieces unanswered at most), 'bulk' "
@@ -235,9 +320,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="also time each design copying no weights, tags checked (timing only: the chain of hand-offs alone)",
     )  # fmt: skip
     p.add_argument(
+        "--no-math", action="store_true",
+        help="also time each design copying no weights and computing nothing (timing only: the hand-offs and "
+        "the ring's waits alone)",
+    )  # fmt: skip
+    p.add_argument(
         "--stamps", action="store_true",
-        help="then time each step of a layer (%%globaltimer) in the first design (and without weight bytes, "
-        "given --no-bytes)",
+        help="then time each step of a layer (%%globaltimer) in each layout's first design (and without weight "
+        "bytes, given --no-bytes, and computing nothing, given --no-math)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the designs (best median kept)")
@@ -261,22 +351,31 @@ def main(argv: list[str] | None = None) -> int:
     W = packed_weights(L, dev)
     h0 = torch.randn(1024, device=dev)
     words = torch.zeros(11264, device=dev, dtype=torch.int32)  # q/k/v, attention, h_mid, act, h
-    part = torch.zeros(128 * 2 * 130, device=dev, dtype=torch.int64)
+    part = torch.zeros(128 * 2 * 130 + 5 * 1024, device=dev, dtype=torch.int64)  # attention's, then spread's
     out = torch.zeros(1024, device=dev)
     seq = [0]
-    tables = {"": gate_up_pairs(P, True).to(dev)}
-    if args.round_robin:
+    tables = {"": gate_up_pairs(P, True).to(dev)} if "today" in args.layout else {}
+    if args.round_robin and "today" in args.layout:
         tables[", gate/up round robin"] = gate_up_pairs(P, False).to(dev)
+    if "spread" in args.layout:
+        tables[SPREAD] = spread_tasks(P).to(dev)
+    if "spread-d" in args.layout:
+        tables[SPREAD_D] = spread_tasks(P, only_d=True).to(dev)
 
     no_stamps = torch.empty(0, device=dev, dtype=torch.int64)
 
     def launch(
-        layers: int, design: Design, check: int = 1, copies: bool = True, stamps: torch.Tensor = no_stamps
+        layers: int,
+        design: Design,
+        check: int = 1,
+        copies: bool = True,
+        stamps: torch.Tensor = no_stamps,
+        math: bool = True,
     ) -> None:
         seq[0] += 1  # consecutive launches: no word keeps a tag of this one
         slots, ahead, table, prefetch, backoff, ilp, held = design
         ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], slots, min(ahead, 4 * slots),
-                   *prefetch, check, copies, backoff, stamps, ilp, held)  # fmt: skip
+                   *prefetch, check, copies, math, backoff, stamps, ilp, held, LAYOUTS.get(table, 0))  # fmt: skip
 
     designs = {
         f"tagged stream, {r} slots, ≤ {min(a, 4 * r) * 8} KB in flight{t}{prefetch_label(f)}"
@@ -291,23 +390,19 @@ def main(argv: list[str] | None = None) -> int:
         for t in tables
         for r in args.slots
         for a in args.ahead
+        if t not in LAYOUTS or sums == "independent"
     }  # fmt: skip
     errors = {}
     for name, design in designs.items():
+        layout = LAYOUTS.get(design[2], 0)
         n = min(args.check_layers, L)
         launch(n, design)
-        ref = reference(W, h0, n)
+        ref = reference(W, h0, n, spread=layout != 0)
         errors[f"{name}, {n} layers end to end"] = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         launch(L, design)
-        act = handed_on(words[7168:10240], tag_of(seq[0], L, L - 1, 4))
-        h_mid = handed_on(words[6144:7168], tag_of(seq[0], L, L - 1, 3))
-        if act is None or h_mid is None:
-            errors[f"{name}, last phase of {L} layers"] = float("inf")
-            continue
-        ref = h_mid + unpack(W[L - 1])["down"] @ act
-        errors[f"{name}, last phase of {L} layers"] = (
-            (out.double() - ref).abs().max() / ref.abs().max()
-        ).item()
+        errors[f"{name}, last phase of {L} layers"] = last_phase_error(
+            W[L - 1], words, part, out, seq[0], L, partials=layout == LAYOUTS[SPREAD]
+        )
     torch.cuda.synchronize()
     print(
         "largest error against float64, relative to the largest value: "
@@ -324,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         timing_only["no hand-off read"] = (-1, True)
     if args.no_bytes:
         timing_only["no weight bytes copied"] = (1, False)
+    if args.no_math:
+        timing_only["no weight bytes copied, no math"] = (1, False, no_stamps, False)
     runs |= {
         f"timing only: {name}, {how}": (L, lambda d=d, c=c: launch(L, d, *c))
         for how, c in timing_only.items()
@@ -351,16 +448,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{layer_bytes / 1e6:.1f} MB ({bytes_us:.2f} µs at the copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
     )
     if args.stamps:
-        name, design = next(iter(designs.items()))
-        modes = {
-            name: True,
-            **({f"{name}, no weight bytes copied (timing only)": False} if args.no_bytes else {}),
-        }
+        firsts = {}  # each layout's first design
+        for name, design in designs.items():
+            firsts.setdefault(LAYOUTS.get(design[2], 0), (name, design))
         columns = {}
-        for label, copies in modes.items():
-            stamps = torch.zeros(L * EVENTS * P, device=dev, dtype=torch.int64)
-            launch(L, design, copies=copies, stamps=stamps)
-            columns[label] = step_medians(stamps.view(L, EVENTS, P).cpu())
+        for name, design in firsts.values():
+            modes = {"": (True, True)}
+            if args.no_bytes:
+                modes[", no weight bytes copied (timing only)"] = (False, True)
+            if args.no_math:
+                modes[", no weight bytes copied, no math (timing only)"] = (False, False)
+            for how, (copies, math) in modes.items():
+                stamps = torch.zeros(L * EVENTS * P, device=dev, dtype=torch.int64)
+                launch(L, design, copies=copies, stamps=stamps, math=math)
+                columns[name + how] = step_medians(stamps.view(L, EVENTS, P).cpu())
         print_table(
             ["step (µs, median over layers)", *columns],
             [[step, *(c[step] for c in columns.values())] for step in STEPS],

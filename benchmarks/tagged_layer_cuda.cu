@@ -33,6 +33,19 @@
 //      assigns them: up to 4 a block), silu(gate) * up -> hand-off 4: act (3,072)
 //   E  64 blocks: 16 rows of the down projection (3 chunks each) plus h_mid -> hand-off 5: h
 //      (and, unrounded, ``out``: what the check reads)
+//
+// That layout puts 14 chunks on the critical path (2 + 1 + 2 + 6 + 3: each phase's busiest block)
+// where a block streams 9 at most. The spread layout (session 40) gives every phase to as many
+// blocks as it has chunks, a chunk a task, so that the path is 9 chunks (2 + 1 + 1 + 3 + 2):
+//   C  128 tasks: 16 rows x one half of the output projection's columns (its half of hand-off 2
+//      polled) -> their float32 partial sums (64-bit words, 2 x 1,024)
+//   D  every block polls both halves and forms h_mid = h + both (rounded to bf16) itself; 384
+//      self-contained chunks (rows 2w and 2w + 1: gate and up row 8j + w), up to 3 a block
+//   E  192 tasks: 16 rows x one third of down's columns -> float32 partial sums (3 x 1,024); the
+//      next layer's A (every block) polls all three and forms h = h_mid + the three (rounded)
+// Which block runs which C, D and E task is the caller's table (a row a block of 1 C, 3 D and 2 E
+// tasks, -1: none), balanced over the blocks' whole layer. A third layout spreads only D (C and E as
+// today's: 11 chunks on the path, no partial sums gathered).
 #include <cuda_bf16.h>
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -62,6 +75,8 @@ struct Handoffs {
   unsigned* hmid;                // 1,024
   unsigned* act;                 // 3,072
   unsigned* h;                   // 1,024
+  unsigned long long* hparts;    // spread layout: the output projection's partials, 2 x 1,024
+  unsigned long long* eparts;    // spread layout: down's partials, 3 x 1,024
 };
 
 // Shared memory besides the ring (floats). The merge's partials, the attention output and act are
@@ -187,6 +202,7 @@ struct Ring {
   unsigned full0, empty0;
   int slots;
   int i;  // the next chunk
+  bool math;  // false for timing only: the consumers wait for each chunk and release it, computing nothing
 
   __device__ __forceinline__ const unsigned char* wait(int piece) const {
     const int slot = i % slots;
@@ -245,6 +261,10 @@ __device__ __forceinline__ void rows_dot(Ring& ring, const Input& input, float (
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     const unsigned char* chunk = ring.wait(warp / 2);  // the copy that holds the warp's rows
+    if (!ring.math) {
+      ring.release();
+      continue;
+    }
     float xv[4][8];
     input.slice(c, xv);
 #pragma unroll
@@ -286,6 +306,17 @@ __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, 
   stamp(event + 1);
 }
 
+// Spread layout: the warp's two rows of a one-chunk task against x (1,024 values in shared memory),
+// handed on as float32 partial sums to dst[2w], dst[2w + 1] (64-bit words).
+__device__ __forceinline__ void partial_rows(Ring& ring, const float* x, unsigned long long* dst, unsigned tag) {
+  float acc[2];
+  rows_dot<1, true>(ring, SharedInput{x}, acc);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) hand_f32(dst, 2 * warp + r, acc[r], tag);
+}
+
 // One (KV head, split) task: 64 cached rows of K and V (the chunk's rows 0-7 and 8-15) against the
 // head's two query rows (sh.qkv[0, 256)); each query head's unnormalised output, max and sum go to
 // hand-off 1.
@@ -293,6 +324,13 @@ template <bool kIlp>
 __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long long* part, int task, unsigned tag) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const unsigned char* chunk = ring.wait_all();
+  if (!ring.math) {
+    unsigned long long* dst = part + (task * 2 + (t >> 7)) * kPart;
+    hand_f32(dst, t & 127, 0.f, tag);
+    if ((t & 127) < 2) hand_f32(dst, 128 + (t & 127), 1.f, tag);
+    ring.release();
+    return;
+  }
   const __nv_bfloat16* K = reinterpret_cast<const __nv_bfloat16*>(chunk);
   const __nv_bfloat16* V = K + 64 * 128;
   const float4 q0 = *reinterpret_cast<const float4*>(sh.qkv + lane * 4);
@@ -350,21 +388,80 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
   ring.release();
 }
 
+// A block's C, D and E work, from the caller's table: today's layout, a row of up to 4 gate/up pairs;
+// the spread layout, a row of 1 C task, 3 D chunks and 2 E tasks (-1: none).
+constexpr int kPairsWidth = 4, kTasksWidth = 6;
+struct Work {
+  int d[4], n_d;  // gate/up pairs, or (spread) D chunks
+  int c, e[2], n_e;  // spread only: the C task, the E tasks
+};
+
+// The layouts: today's; C, D and E spread a chunk a task; only D spread (C and E as today's, D's chunks
+// as the spread layout's, from its table).
+constexpr int kLayoutToday = 0, kLayoutSpread = 1, kLayoutSpreadD = 2;
+
+template <int kLayout>
+__device__ __forceinline__ Work block_work(const int* table, int b) {
+  Work w{{}, 0, -1, {}, 0};
+  if constexpr (kLayout != kLayoutToday) {
+    const int* row = table + kTasksWidth * b;
+    w.c = row[0];
+    for (int k = 1; k < 4 && row[k] >= 0; ++k) w.d[w.n_d++] = row[k];
+    for (int k = 4; k < 6 && row[k] >= 0; ++k) w.e[w.n_e++] = row[k];
+  } else {
+    const int* row = table + kPairsWidth * b;
+    for (int k = 0; k < 4 && row[k] >= 0; ++k) w.d[w.n_d++] = row[k];
+  }
+  return w;
+}
+
 // The block's chunks of a layer, in the order its consumers use them (ids into the layer's 1,088): A
-// chunks b, b + P, ...; B task P - 1 - b; C rows 16 * (b / 2) for even b < 128 (both halves); D pairs
-// (gate, then up); E rows 16 * (b / 2) for odd b < 128 (three thirds). Returns how many (<= 16).
-__device__ __forceinline__ int block_chunks(int b, int P, const int* my_pairs, int n_pairs, int (&ids)[16]) {
+// chunks b, b + P, ...; B task P - 1 - b; then today: C rows 16 * (b / 2) for even b < 128 (both
+// halves), D pairs (gate, then up), E rows 16 * (b / 2) for odd b < 128 (three thirds); spread: its
+// C task, D chunks and E tasks (a chunk each). Returns how many (<= 16).
+template <int kLayout>
+__device__ __forceinline__ int block_chunks(int b, int P, const Work& w, int (&ids)[16]) {
   const int task = P - 1 - b;
   int n = 0;
   for (int a = b; a < kA; a += P) ids[n++] = a;
   if (task < kB) ids[n++] = kB0 + task;
+  if constexpr (kLayout == kLayoutSpread) {
+    if (w.c >= 0) ids[n++] = kC0 + w.c;
+    for (int k = 0; k < w.n_d; ++k) ids[n++] = kD0 + w.d[k];
+    for (int k = 0; k < w.n_e; ++k) ids[n++] = kE0 + w.e[k];
+    return n;
+  }
   if (b < 128 && b % 2 == 0) ids[n++] = kC0 + b, ids[n++] = kC0 + b + 1;
-  for (int k = 0; k < n_pairs; ++k) ids[n++] = kD0 + 2 * my_pairs[k], ids[n++] = kD0 + 2 * my_pairs[k] + 1;
+  for (int k = 0; k < w.n_d; ++k)
+    if constexpr (kLayout == kLayoutSpreadD) ids[n++] = kD0 + w.d[k];
+    else ids[n++] = kD0 + 2 * w.d[k], ids[n++] = kD0 + 2 * w.d[k] + 1;
   if (b < 128 && b % 2 == 1) {
     const int r = b / 2;
     ids[n++] = kE0 + 3 * r, ids[n++] = kE0 + 3 * r + 1, ids[n++] = kE0 + 3 * r + 2;
   }
   return n;
+}
+
+// Spread layout: n partial vectors of 1,024 float32 words (64-bit, ``tag``) polled into sh.part and
+// summed with ``base``, every value rounded to bf16 into ``dst`` (unrounded into ``out`` too, if
+// given). Thread t forms values 4t .. 4t + 3 (normalise's share); the consumers synchronise after
+// the poll only.
+template <int kN>
+__device__ __forceinline__ void gather_parts(const unsigned long long* parts, unsigned tag, float* scratch,
+                                             const float* base, float* dst, float* out, unsigned limit,
+                                             unsigned backoff) {
+  poll<F32Group, 2 * kN>(kN * kCols / 2, [parts](int g) { return parts + 2 * g; }, scratch, tag, limit, backoff);
+  consumers_sync();
+  const int t = threadIdx.x;
+  float4 v = *reinterpret_cast<const float4*>(base + 4 * t);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float4 p = *reinterpret_cast<const float4*>(scratch + k * kCols + 4 * t);
+    v.x += p.x, v.y += p.y, v.z += p.z, v.w += p.w;
+  }
+  if (out != nullptr) *reinterpret_cast<float4*>(out + 4 * t) = v;
+  const auto round = [](float x) { return __bfloat162float(__float2bfloat16_rn(x)); };
+  *reinterpret_cast<float4*>(dst + 4 * t) = make_float4(round(v.x), round(v.y), round(v.z), round(v.w));
 }
 
 // A 16-byte load that asks L2 for the whole 256-byte block around it (not kept in L1).
@@ -408,23 +505,26 @@ __device__ void prefetch_ahead(const __nv_bfloat16* W, const int (&ids)[16], int
 }
 
 // kIlp: the consumers' sums in independent parts, reduced over the warp once a row (rows_dot, attend);
-// kHeld: q/k/v's and gate/up's input held in registers for the phase (HeldInput).
-template <bool kIlp, bool kHeld>
+// kHeld: q/k/v's and gate/up's input held in registers for the phase (HeldInput); kLayout: today's,
+// the spread layout (C, D and E a chunk a task, ``table`` a row of tasks a block) or only D spread.
+template <bool kIlp, bool kHeld, int kLayout>
 __global__ void __launch_bounds__(kConsumers + 64, 1)
-    tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* pairs,
+    tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* table,
                         unsigned seq, int layers, int slots, int ahead, int depth, int prefetch, int check,
-                        bool copies, unsigned backoff, unsigned long long* stamps) {
+                        bool copies, bool math, unsigned backoff, unsigned long long* stamps) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(16) Shared sh;
   __shared__ int producer_next;  // the producer's next chunk, for the prefetcher
   const int b = blockIdx.x, P = gridDim.x;
   const unsigned full0 = smem_addr(smem + slots * kChunkBytes);
   const unsigned empty0 = full0 + slots * kPieces * 8;
-  // This block's work (block_chunks); merge b (< 16); D pairs pairs[4b ..] (-1: no more).
+  // This block's work (block_chunks); merge b (< 16); C, D and E as the table gives them.
   const int task = P - 1 - b;
-  int my_pairs[4], n_pairs = 0;
-  for (int k = 0; k < 4 && pairs[4 * b + k] >= 0; ++k) my_pairs[n_pairs++] = pairs[4 * b + k];
-  const bool has_b = task < kB, has_m = b < 16, has_c = b < 128 && b % 2 == 0, has_e = b < 128 && b % 2 == 1;
+  constexpr bool kSpread = kLayout == kLayoutSpread;  // C and E split into partial sums
+  const Work work = block_work<kLayout>(table, b);
+  const bool has_b = task < kB, has_m = b < 16;
+  const bool has_c = kSpread ? work.c >= 0 : b < 128 && b % 2 == 0;
+  const bool has_e = kSpread ? work.n_e > 0 : b < 128 && b % 2 == 1;
   if (threadIdx.x == 0) {
     for (int s = 0; s < slots; ++s) {
       for (int p = 0; p < kPieces; ++p) mbar_init(full0 + (s * kPieces + p) * 8, 1);
@@ -437,7 +537,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
   if (threadIdx.x >= kConsumers + 32) {  // the prefetcher warp
     if (prefetch == 0) return;
     int ids[16];
-    const int n = block_chunks(b, P, my_pairs, n_pairs, ids);
+    const int n = block_chunks<kLayout>(b, P, work, ids);
     prefetch_ahead(W, ids, n, layers, depth, prefetch, &producer_next);
     return;
   }
@@ -445,7 +545,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
     if (threadIdx.x != kConsumers) return;
     const unsigned long long policy = evict_first_policy();
     int ids[16];
-    const int n = block_chunks(b, P, my_pairs, n_pairs, ids);
+    const int n = block_chunks<kLayout>(b, P, work, ids);
     volatile int* next = &producer_next;
     int i = 0;
     for (int layer = 0; layer < layers; ++layer)
@@ -470,7 +570,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
   }
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const unsigned limit = check == 1 ? kSpinLimit : check == 0 ? 1u : 0u;  // poll's limits
-  Ring ring{smem, full0, empty0, slots, 0};
+  Ring ring{smem, full0, empty0, slots, 0, math};
   float acc[2], acc2[2];
   for (int layer = 0; layer < layers; ++layer) {
     const auto tag = [&](int handoff) { return tag_of(seq, layers, layer, handoff); };
@@ -479,7 +579,12 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
     if (layer == 0) {
       *reinterpret_cast<float4*>(sh.h + 4 * t) = *reinterpret_cast<const float4*>(h0 + 4 * t);
     } else {
-      poll_bf16<1>(ho.h, kCols, tag_of(seq, layers, layer - 1, 5), sh.h, limit, backoff);
+      if constexpr (kSpread) {  // h = h_mid + down's three partials
+        consumers_sync();  // the last E task has read sh.act (gather's scratch)
+        gather_parts<3>(ho.eparts, tag_of(seq, layers, layer - 1, 5), sh.act, sh.hmid, sh.h, nullptr, limit, backoff);
+      } else {
+        poll_bf16<1>(ho.h, kCols, tag_of(seq, layers, layer - 1, 5), sh.h, limit, backoff);
+      }
     }
     normalise(sh.h, sh.xn, sh.red);
     stamp(0);
@@ -529,15 +634,35 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       stamp(5);
       consumers_sync();  // the partials are read before sh.att (the same buffer) is written
     }
-    // C: 16 rows of the output projection, plus h
-    if (has_c) project_residual<2, kIlp>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
-    // D: h_mid normalised; gate and up rows, silu(gate) * up
-    poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
+    if constexpr (kSpread) {
+      // C: 16 rows x one half of the output projection -> their partial sums
+      if (has_c) {
+        const int half = work.c % 2;
+        poll_bf16<1>(ho.att + half * kCols, kCols, tag(2), sh.att, limit, backoff);
+        consumers_sync();
+        stamp(6);
+        partial_rows(ring, sh.att, ho.hparts + half * kCols + 16 * (work.c / 2), tag(3));
+        stamp(7);
+        consumers_sync();  // sh.att is read before gather_parts (the same buffer) writes
+      }
+      // D: h_mid = h + both partials, normalised; each chunk's gate and up rows, silu(gate) * up
+      gather_parts<2>(ho.hparts, tag(3), sh.part, sh.h, sh.hmid, nullptr, limit, backoff);
+    } else {
+      // C: 16 rows of the output projection, plus h
+      if (has_c) project_residual<2, kIlp>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
+      // D: h_mid normalised; gate and up rows, silu(gate) * up
+      poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
+    }
     normalise(sh.hmid, sh.xn, sh.red);
     stamp(8);
     with_input<kHeld>(sh.xn, [&](const auto& input) {
-      for (int k = 0; k < n_pairs; ++k) {
-        const int j = my_pairs[k];
+      for (int k = 0; k < work.n_d; ++k) {
+        const int j = work.d[k];
+        if constexpr (kLayout != kLayoutToday) {  // a chunk: the warp's gate row and up row 8j + warp
+          rows_dot<1, true>(ring, input, acc);
+          if (lane == 0) hand_bf16(ho.act, 8 * j + warp, acc[0] / (1.f + expf(-acc[0])) * acc[1], tag(4));
+          continue;
+        }
         if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
           rows_dot<1, true, false>(ring, input, acc);
           rows_dot<1, true, false>(ring, input, acc2);
@@ -557,8 +682,28 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       }
     });
     stamp(9);
-    // E: 16 rows of the down projection, plus h_mid
-    if (has_e) project_residual<3, kIlp>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
+    if constexpr (kSpread) {
+      // E: each task's 16 rows x one third of down -> their partial sums
+      if (has_e) {
+        poll_bf16<3>(ho.act, 3 * kCols, tag(4), sh.act, limit, backoff);
+        consumers_sync();
+        stamp(10);
+        for (int k = 0; k < work.n_e; ++k) {
+          const int third = work.e[k] % 3;
+          partial_rows(ring, sh.act + third * kCols, ho.eparts + third * kCols + 16 * (work.e[k] / 3), tag(5));
+        }
+        stamp(11);
+      }
+    } else {
+      // E: 16 rows of the down projection, plus h_mid
+      if (has_e) project_residual<3, kIlp>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
+    }
+  }
+  if constexpr (kSpread) {  // the check's ``out``: the last layer's h_mid + down's partials, unrounded
+    if (b == 0) {
+      consumers_sync();
+      gather_parts<3>(ho.eparts, tag_of(seq, layers, layers - 1, 5), sh.act, sh.hmid, sh.h, out, limit, backoff);
+    }
   }
 }
 
@@ -567,29 +712,46 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
 int64_t layer_chunks() { return kLayerChunks; }
 
 // W: bf16 [layers * 1,088, 16, 1,024] (bench_tagged_layer.py packs it); h0: float32 [1,024]; words:
-// int32 [>= 4096 + 2048 + 1024 + 3072 + 1024] (zeroed once); part: int64 [128 * 2 * 130]; out:
-// float32 [1,024]; pairs: int32 [programs, 4], each block's gate/up pairs (-1: no more; every pair
-// once); seq: new for each launch; slots: the ring's, 5 or 6; ahead: 8 KB copies in flight a block, 1 to
+// int32 [>= 4096 + 2048 + 1024 + 3072 + 1024] (zeroed once); part: int64 [128 * 2 * 130 + 5 * 1,024]
+// (the attention partials, then the spread layout's); out: float32 [1,024]; table: int32 [programs,
+// 4], each block's gate/up pairs (-1: no more; every pair once), or for the spread layouts [programs,
+// 6], each block's C task, D chunks and E tasks (every task once; only D: C and E -1); seq: new for
+// each launch; slots: the ring's, 5 or 6; ahead: 8 KB copies in flight a block, 1 to
 // 4 * slots (the whole ring: no cap); prefetch: 0 (none),
 // 1 (loads with the L2::256B hint) or 2 (bulk L2 prefetches), up to ``depth`` chunks past the producer's;
 // check: 1 polls every hand-off until its tags are current; for timing only (races), 0 reads it once
 // without checking them and -1 does not read it at all; copies: false copies no weights (timing only:
-// the consumers compute on whatever the ring holds); backoff: ns between polls of a group (0: none);
+// the consumers compute on whatever the ring holds); math: false computes nothing either (timing only:
+// the hand-offs and the ring's waits alone; hand-offs carry zeros); backoff: ns between polls of a group (0: none);
 // stamps: int64 [layers * 12 * programs] of %globaltimer stamps (Stamps), or an empty tensor for none;
-// ilp: the consumers' sums in independent parts; held: q/k/v's and gate/up's input in registers.
+// ilp: the consumers' sums in independent parts; held: q/k/v's and gate/up's input in registers;
+// layout: 0 today's, 1 spread, 2 only D spread (the spread layouts' sums independent: ilp).
+template <bool kIlp, bool kHeld>
+auto kernel_for(int layout) {
+  if constexpr (kIlp)
+    return layout == kLayoutSpread    ? tagged_layer_kernel<true, kHeld, kLayoutSpread>
+           : layout == kLayoutSpreadD ? tagged_layer_kernel<true, kHeld, kLayoutSpreadD>
+                                      : tagged_layer_kernel<true, kHeld, kLayoutToday>;
+  else return tagged_layer_kernel<false, kHeld, kLayoutToday>;
+}
+
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
-            torch::Tensor& out, const torch::Tensor& pairs, int64_t layers, int64_t programs, int64_t seq,
-            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, int64_t backoff,
-            torch::Tensor& stamps, bool ilp, bool held) {
+            torch::Tensor& out, const torch::Tensor& table, int64_t layers, int64_t programs, int64_t seq,
+            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math, int64_t backoff,
+            torch::Tensor& stamps, bool ilp, bool held, int64_t layout) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
   TORCH_CHECK(h0.scalar_type() == torch::kFloat32 && h0.numel() >= kCols, "h0: float32 [1024]");
   TORCH_CHECK(words.scalar_type() == torch::kInt32 && words.numel() >= 11264, "words: int32 [11264]");
-  TORCH_CHECK(part.scalar_type() == torch::kInt64 && part.numel() >= kB * 2 * kPart, "part: int64 [128 * 2 * 130]");
+  TORCH_CHECK(part.scalar_type() == torch::kInt64 && part.numel() >= kB * 2 * kPart + 5 * kCols,
+              "part: int64 [128 * 2 * 130 + 5 * 1024]");
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.numel() >= kCols, "out: float32 [1024]");
   TORCH_CHECK(programs >= 128 && programs <= 256, "programs: 128 to 256, not ", programs);
-  TORCH_CHECK(pairs.is_cuda() && pairs.scalar_type() == torch::kInt32 && pairs.numel() == programs * 4,
-              "pairs: int32 [programs, 4] on CUDA");
+  TORCH_CHECK(layout >= kLayoutToday && layout <= kLayoutSpreadD, "layout: 0, 1 or 2, not ", layout);
+  const int width = layout == kLayoutToday ? kPairsWidth : kTasksWidth;
+  TORCH_CHECK(table.is_cuda() && table.scalar_type() == torch::kInt32 && table.numel() == programs * width,
+              "table: int32 [programs, ", width, "] on CUDA");
+  TORCH_CHECK(layout == kLayoutToday || ilp, "layout: the spread layouts' sums are independent (ilp)");
   TORCH_CHECK(slots == 5 || slots == kMaxSlots, "slots: 5 or 6, not ", slots);
   TORCH_CHECK(ahead >= 1 && ahead <= slots * kPieces, "ahead: 1 to ", slots * kPieces, ", not ", ahead);
   TORCH_CHECK(check >= -1 && check <= 1, "check: -1, 0 or 1, not ", check);
@@ -600,17 +762,18 @@ void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& word
   TORCH_CHECK(prefetch >= 0 && prefetch <= 2, "prefetch: 0, 1 or 2, not ", prefetch);
   TORCH_CHECK(prefetch == 0 || (depth >= 1 && depth <= 64), "depth: 1 to 64 chunks, not ", depth);
   auto* w = reinterpret_cast<unsigned*>(words.data_ptr<int>());
-  const Handoffs ho{w, reinterpret_cast<unsigned long long*>(part.data_ptr<int64_t>()), w + 4096, w + 6144, w + 7168,
-                    w + 10240};
+  auto* parts = reinterpret_cast<unsigned long long*>(part.data_ptr<int64_t>());
+  const Handoffs ho{w, parts, w + 4096, w + 6144, w + 7168, w + 10240, parts + kB * 2 * kPart,
+                    parts + kB * 2 * kPart + 2 * kCols};
   const int bytes = slots * kChunkBytes + (kPieces + 1) * slots * 8;
-  const auto kernel = ilp ? (held ? tagged_layer_kernel<true, true> : tagged_layer_kernel<true, false>)
-                          : (held ? tagged_layer_kernel<false, true> : tagged_layer_kernel<false, false>);
+  const auto kernel = ilp ? (held ? kernel_for<true, true>(layout) : kernel_for<true, false>(layout))
+                          : (held ? kernel_for<false, true>(layout) : kernel_for<false, false>(layout));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   kernel<<<programs, kConsumers + 64, bytes, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()), h0.data_ptr<float>(), ho,
-      out.data_ptr<float>(), pairs.data_ptr<int>(), static_cast<unsigned>(seq), static_cast<int>(layers),
+      out.data_ptr<float>(), table.data_ptr<int>(), static_cast<unsigned>(seq), static_cast<int>(layers),
       static_cast<int>(slots), static_cast<int>(ahead), static_cast<int>(depth), static_cast<int>(prefetch),
-      static_cast<int>(check), copies, static_cast<unsigned>(backoff),
+      static_cast<int>(check), copies, math, static_cast<unsigned>(backoff),
       stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -1,8 +1,9 @@
 """``benchmarks/bench_tagged_layer.py``: the Qwen3-0.6B-shaped tagged stream computes the layer it
-times (against float64 with the same bf16 roundings), under every ring, cap, pair layout, L2
-prefetcher, sum order and input it offers, and the engine's launch it is compared with runs (GPU); its gate/up pair
-layouts cover every pair once, bad ``--prefetch`` kinds are refused by name, and a layer's steps
-come out of its per-block stamps (CPU)."""
+times (against float64 with the same bf16 roundings), under every ring, cap, layout, L2 prefetcher,
+sum order and input it offers, and the engine's launch it is compared with runs (GPU); its layouts'
+tables cover every task once within each phase's cap, both gate/up packings unpack, bad
+``--prefetch`` kinds are refused by name, and a layer's steps come out of its per-block stamps
+(CPU)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,23 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
     argv = ["--layers", "6", "--check-layers", "2", "--ahead", "2", "20", "--round-robin"]
     argv += ["--slots", "5", "6", "--input", "shared", "held"]
     argv += ["--prefetch", "none", "loads:2", "bulk:8", "--sums", "independent", "chained"]
-    argv += ["--unchecked", "--no-input", "--no-bytes", "--stamps"]
+    argv += ["--layout", "today", "spread", "spread-d"]
+    argv += ["--unchecked", "--no-input", "--no-bytes", "--no-math", "--stamps"]
     assert bench.main([*argv, "--repeats", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     errors = dict(
         part.rsplit(" ", 1)
         for part in out.split("relative to the largest value: ")[1].splitlines()[0].split("; ")
     )
-    # 2 inputs × 2 sums × 2 rings × 2 caps × 2 pair layouts × 3 prefetchers × (end to end, last phase)
-    assert len(errors) == 192
+    # 2 inputs × (4 layouts with independent sums: paired, round robin, spread, gate/up spread; 2 with
+    # sums chained) × 2 rings × 2 caps × 3 prefetchers × (end to end, last phase)
+    assert len(errors) == 288
     for name, error in errors.items():
         assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
     assert "engine's persistent launch" in out and "gate/up round robin" in out
     assert "L2 asked 2 chunks ahead (loads)" in out and "tags unchecked" in out and "no weight bytes" in out
-    assert "Where a layer goes" in out and "input held in registers" in out
+    assert "Where a layer goes" in out and "input held in registers" in out and "no math" in out
+    assert "spread layout" in out and "gate/up spread" in out
 
 
 def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
@@ -39,6 +43,54 @@ def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
             table = bench.gate_up_pairs(programs, balanced)
             assert table.shape == (programs, 4)
             assert sorted(int(j) for j in table.flatten() if j >= 0) == list(range(bench.D // 2))
+
+
+@pytest.mark.parametrize("only_d", [False, True])
+def test_spread_tasks_cover_every_task_once_within_each_phase_s_cap(load_benchmark, only_d):
+    bench = load_benchmark("bench_tagged_layer")
+    for programs in (128, 132, 144, 256):
+        table = bench.spread_tasks(programs, only_d)
+        assert table.shape == (programs, 6)
+        phases = {"D": (table[:, 1:4], bench.D)}
+        if not only_d:
+            phases |= {"C": (table[:, :1], bench.C), "E": (table[:, 4:], bench.E)}
+        else:
+            assert (table[:, 0] < 0).all() and (table[:, 4:] < 0).all()
+        for name, (cols, tasks) in phases.items():
+            assert sorted(int(j) for j in cols.flatten() if j >= 0) == list(range(tasks)), name
+            # no block runs more of a phase than its tasks ÷ the blocks, rounded up: the phase's path
+            assert int((cols >= 0).sum(1).max()) == -(-tasks // programs), name
+        # and no block streams more chunks a layer than an even share of the 1,088, rounded up
+        chunks = torch.tensor(bench.fixed_chunks(programs, only_d)) + (table >= 0).sum(1)
+        assert int(chunks.sum()) == bench.CHUNKS
+        assert int(chunks.max()) <= -(-bench.CHUNKS // programs)
+    with pytest.raises(ValueError, match="programs"):
+        bench.spread_tasks(100)
+
+
+def test_unpack_reads_both_gate_up_packings(load_benchmark):
+    bench = load_benchmark("bench_tagged_layer")
+    gate, up = torch.randn(3072, 1024), torch.randn(3072, 1024)
+    paired = torch.zeros(bench.CHUNKS, 16, 1024)
+    spread = torch.zeros(bench.CHUNKS, 16, 1024)
+    d0 = bench.A + bench.B + bench.C
+    for j in range(bench.D // 2):  # today's: gate rows 16j.., then up rows 16j..
+        paired[d0 + 2 * j], paired[d0 + 2 * j + 1] = gate[16 * j : 16 * j + 16], up[16 * j : 16 * j + 16]
+    for j in range(bench.D):  # spread: rows 2w and 2w + 1 are gate and up row 8j + w
+        for w in range(8):
+            spread[d0 + j, 2 * w], spread[d0 + j, 2 * w + 1] = gate[8 * j + w], up[8 * j + w]
+    for layer, is_spread in ((paired, False), (spread, True)):
+        m = bench.unpack(layer, is_spread)
+        assert torch.equal(m["gate"].float(), gate) and torch.equal(m["up"].float(), up)
+
+
+def test_handed_on_f32_reads_tagged_words_or_refuses_a_stale_one(load_benchmark):
+    bench = load_benchmark("bench_tagged_layer")
+    values = torch.tensor([1.5, -2.25, 3.0e-5])
+    words = (7 << 32) | values.view(torch.int32).long() & 0xFFFFFFFF
+    assert torch.equal(bench.handed_on_f32(words, 7), values.double())
+    words[1] = (6 << 32) | (words[1] & 0xFFFFFFFF)
+    assert bench.handed_on_f32(words, 7) is None
 
 
 def test_prefetch_spec_is_parsed_or_refused_by_name(load_benchmark):
