@@ -80,6 +80,18 @@ def unpack(layer: torch.Tensor, spread: bool = False) -> dict[str, torch.Tensor]
     }
 
 
+def mma_packed(W: torch.Tensor) -> torch.Tensor:
+    """W with every projection chunk (all but attention's K/V) reordered as tensor cores' m16n8k16 A
+    fragments: warp w's 8 k-tiles (columns 128w + 16t ..), 16 bytes a lane (g, c: lane // 4, lane % 4):
+    rows g and g + 8 at columns 2c, 2c + 1, then 2c + 8, 2c + 9 (tagged_layer_cuda.cu's rows_mma)."""
+    # [.., 16, 1,024] as [.., row half, g, w, t, k half, c, e]: row 8 half + g, column 128w + 16t + 8 khalf + 2c + e
+    frag = W.unflatten(-1, (8, 8, 2, 4, 2)).unflatten(-6, (2, 8))
+    lead = list(range(W.dim() - 2))
+    packed = frag.permute(*lead, -5, -4, -6, -2, -3, -7, -1).reshape(W.shape)
+    packed[:, A : A + B] = W[:, A : A + B]
+    return packed.contiguous()
+
+
 def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).double()
 
@@ -89,18 +101,22 @@ def rms_normalised(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference(W: torch.Tensor, h0: torch.Tensor, layers: int, spread: bool = False) -> torch.Tensor:
+def reference(
+    W: torch.Tensor, h0: torch.Tensor, layers: int, spread: bool = False, bf16_inputs: bool = False
+) -> torch.Tensor:
     """The last layer's new residual, unrounded, in float64 with the kernel's bf16 hand-offs (gate/up
-    packed a chunk a task given ``spread``: unpack)."""
+    packed a chunk a task given ``spread``: unpack; the normalised inputs of q/k/v and gate/up rounded
+    to bf16 given ``bf16_inputs``, as tensor cores take them)."""
+    norm = (lambda x: bf16(rms_normalised(x))) if bf16_inputs else rms_normalised
     h = h0.double()
     for layer in range(layers):
         m = unpack(W[layer], spread)
-        qkv = bf16(m["qkv"] @ rms_normalised(h))
+        qkv = bf16(m["qkv"] @ norm(h))
         q = qkv[:2048].reshape(KV_HEADS, 2, HEAD_DIM)
         scores = torch.einsum("gid,gtd->git", q, m["k"]) / HEAD_DIM**0.5
         att = bf16(torch.einsum("git,gtd->gid", scores.softmax(-1), m["v"]).reshape(2048))
         h_mid = bf16(h + m["o"] @ att)
-        x = rms_normalised(h_mid)
+        x = norm(h_mid)
         gate = m["gate"] @ x
         act = bf16(torch.nn.functional.silu(gate) * (m["up"] @ x))
         out = h_mid + m["down"] @ act
@@ -241,9 +257,9 @@ def engine_launch(kv: int):
 PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
 SPREAD, SPREAD_D = ", spread layout", ", gate/up spread"  # the tables' keys of spread_tasks
 LAYOUTS = {SPREAD: 1, SPREAD_D: 2}  # the kernel's layout of a table (0: today's)
-# slots, 8 KB copies in flight, pair layout, (prefetch, depth), ns between polls, independent sums,
-# q/k/v's and gate/up's input held in registers
-Design = tuple[int, int, str, tuple[int, int], int, bool, bool]
+# slots, 8 KB copies in flight, layout's table, (prefetch, depth), ns between polls, independent sums,
+# q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores
+Design = tuple[int, int, str, tuple[int, int], int, bool, bool, bool]
 
 
 def prefetch_mode(spec: str) -> tuple[int, int]:
@@ -286,6 +302,12 @@ def make_parser() -> argparse.ArgumentParser:
         "in registers for the phase",
     )  # fmt: skip
     p.add_argument(
+        "--matmul", nargs="+", default=["fma"], choices=["fma", "mma"],
+        help="the projections' rows: multiply-adds on the CUDA cores, or mma.sync on tensor cores (each chunk "
+        "packed as m16n8k16 A fragments, the normalised input rounded to bf16; sums independent, input shared "
+        "only)",
+    )  # fmt: skip
+    p.add_argument(
         "--backoff",
         type=int,
         nargs="+",
@@ -326,7 +348,7 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--stamps", action="store_true",
-        help="then time each step of a layer (%%globaltimer) in each layout's first design (and without weight "
+        help="then time each step of a layer (%%globaltimer) in the first design of each layout and matmul (and without weight "
         "bytes, given --no-bytes, and computing nothing, given --no-math)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=20)
@@ -349,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     L = args.layers
     W = packed_weights(L, dev)
+    W_mma = mma_packed(W) if "mma" in args.matmul else None
     h0 = torch.randn(1024, device=dev)
     words = torch.zeros(11264, device=dev, dtype=torch.int32)  # q/k/v, attention, h_mid, act, h
     part = torch.zeros(128 * 2 * 130 + 5 * 1024, device=dev, dtype=torch.int64)  # attention's, then spread's
@@ -373,16 +396,19 @@ def main(argv: list[str] | None = None) -> int:
         math: bool = True,
     ) -> None:
         seq[0] += 1  # consecutive launches: no word keeps a tag of this one
-        slots, ahead, table, prefetch, backoff, ilp, held = design
-        ext.launch(W, h0, words, part, out, tables[table], layers, P, seq[0], slots, min(ahead, 4 * slots),
-                   *prefetch, check, copies, math, backoff, stamps, ilp, held, LAYOUTS.get(table, 0))  # fmt: skip
+        slots, ahead, table, prefetch, backoff, ilp, held, mma = design
+        ext.launch(W_mma if mma else W, h0, words, part, out, tables[table], layers, P, seq[0], slots,
+                   min(ahead, 4 * slots), *prefetch, check, copies, math, backoff, stamps, ilp, held,
+                   LAYOUTS.get(table, 0), mma)  # fmt: skip
 
     designs = {
         f"tagged stream, {r} slots, ≤ {min(a, 4 * r) * 8} KB in flight{t}{prefetch_label(f)}"
         + (f", polls {n} ns apart" if n else "")
         + ("" if sums == "independent" else ", sums chained")
-        + (", input held in registers" if held == "held" else ""):
-        (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held")
+        + (", input held in registers" if held == "held" else "")
+        + (", tensor cores" if mm == "mma" else ""):
+        (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held", mm == "mma")
+        for mm in args.matmul
         for held in args.input
         for sums in args.sums
         for n in args.backoff
@@ -391,13 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.slots
         for a in args.ahead
         if t not in LAYOUTS or sums == "independent"
+        if mm == "fma" or (sums, held) == ("independent", "shared")
     }  # fmt: skip
     errors = {}
     for name, design in designs.items():
         layout = LAYOUTS.get(design[2], 0)
         n = min(args.check_layers, L)
         launch(n, design)
-        ref = reference(W, h0, n, spread=layout != 0)
+        ref = reference(W, h0, n, spread=layout != 0, bf16_inputs=design[7])
         errors[f"{name}, {n} layers end to end"] = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         launch(L, design)
         errors[f"{name}, last phase of {L} layers"] = last_phase_error(
@@ -448,9 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{layer_bytes / 1e6:.1f} MB ({bytes_us:.2f} µs at the copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
     )
     if args.stamps:
-        firsts = {}  # each layout's first design
+        firsts = {}  # the first design of each layout and matmul
         for name, design in designs.items():
-            firsts.setdefault(LAYOUTS.get(design[2], 0), (name, design))
+            firsts.setdefault((LAYOUTS.get(design[2], 0), design[7]), (name, design))
         columns = {}
         for name, design in firsts.values():
             modes = {"": (True, True)}

@@ -48,6 +48,8 @@
 // today's: 11 chunks on the path, no partial sums gathered).
 #include <cuda_bf16.h>
 #include <torch/extension.h>
+
+#include <type_traits>
 #include <ATen/cuda/CUDAContext.h>
 
 #include "bulk_stream.cuh"
@@ -90,6 +92,7 @@ struct Shared {
     float act[3072];
   };
   float scores[2][64], red[8], stats[2][2];
+  float mma_red[2][8][16];  // rows_mma's warps' sums
 };
 
 __device__ __forceinline__ unsigned tag_of(unsigned seq, int layers, int layer, int handoff) {
@@ -203,6 +206,8 @@ struct Ring {
   int slots;
   int i;  // the next chunk
   bool math;  // false for timing only: the consumers wait for each chunk and release it, computing nothing
+  float (*red)[8][16];  // tensor cores: each warp's partial row sums, two buffers used in turn (Mma)
+  int buf;
 
   __device__ __forceinline__ const unsigned char* wait(int piece) const {
     const int slot = i % slots;
@@ -226,11 +231,13 @@ struct Ring {
 // and gate/up) kept in registers for the whole phase, so that a chunk's shared-memory reads are its
 // weights only.
 struct SharedInput {
+  static constexpr bool kMma = false;
   const float* x;
   __device__ __forceinline__ void slice(int c, float (&xv)[4][8]) const { lane_slice(x + c * kCols, threadIdx.x & 31, xv); }
 };
 
 struct HeldInput {
+  static constexpr bool kMma = false;
   float xv[4][8];
   __device__ __forceinline__ void slice(int, float (&out)[4][8]) const {
 #pragma unroll
@@ -240,10 +247,54 @@ struct HeldInput {
   }
 };
 
-// body(input) for the phase input x (1,024 values in shared memory), held in registers if kHeld.
-template <bool kHeld, class Body>
+// The input as tensor cores read it (kMma: rows_mma): the B fragments of the warp's 8 k-tiles of
+// m16n8k16 (columns 128w .. 128w + 127 of chunk c's 1,024), x rounded to bf16 and the same in all 8
+// columns of B. MmaShared converts them from x in shared memory for each chunk; MmaHeld holds them in
+// registers for the phase.
+__device__ __forceinline__ void mma_fragments(const float* x, unsigned (&b)[8][2]) {
+  const float* p = x + (threadIdx.x >> 5) * 128 + 2 * (threadIdx.x & 3);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const float2 lo = *reinterpret_cast<const float2*>(p + 16 * t), hi = *reinterpret_cast<const float2*>(p + 16 * t + 8);
+    const __nv_bfloat162 blo = __floats2bfloat162_rn(lo.x, lo.y), bhi = __floats2bfloat162_rn(hi.x, hi.y);
+    b[t][0] = *reinterpret_cast<const unsigned*>(&blo);
+    b[t][1] = *reinterpret_cast<const unsigned*>(&bhi);
+  }
+}
+
+struct MmaShared {
+  static constexpr bool kMma = true;
+  const float* x;
+  __device__ __forceinline__ void fragments(int c, unsigned (&b)[8][2]) const { mma_fragments(x + c * kCols, b); }
+};
+
+struct MmaHeld {
+  static constexpr bool kMma = true;
+  unsigned bh[8][2];
+  __device__ __forceinline__ void fragments(int, unsigned (&b)[8][2]) const {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) b[t][0] = bh[t][0], b[t][1] = bh[t][1];
+  }
+};
+
+// The thread that holds rows 2p and 2p + 1 of a 16-row task's sums (rows16) returns p, the others -1:
+// lane 0 of warp p, or with tensor cores thread p.
+template <class Input>
+__device__ __forceinline__ int owner_pair(const Input&) {
+  const int t = threadIdx.x;
+  if constexpr (Input::kMma) return t < 8 ? t : -1;
+  else return (t & 31) == 0 ? t >> 5 : -1;
+}
+
+// body(input) for the phase input x (1,024 values in shared memory), held in registers if kHeld (or,
+// kMma, as tensor cores' fragments in registers).
+template <bool kHeld, bool kMma = false, class Body>
 __device__ __forceinline__ void with_input(const float* x, Body body) {
-  if constexpr (kHeld) {
+  if constexpr (kMma) {
+    MmaHeld in;
+    mma_fragments(x, in.bh);
+    body(in);
+  } else if constexpr (kHeld) {
     HeldInput in;
     lane_slice(x, threadIdx.x & 31, in.xv);
     body(in);
@@ -282,10 +333,65 @@ __device__ __forceinline__ void rows_dot(Ring& ring, const Input& input, float (
   if constexpr (kIlp && kReduce) warp_sums(acc);
 }
 
+// m16n8k16 with bf16 inputs and float32 sums: d += a · b.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& a, const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b[0]), "r"(b[1]));
+}
+
+// Tensor cores: the 16 rows of NC chunks (a row spans them) against the input, each chunk packed as
+// m16n8k16 A fragments (warp w's 8 k-tiles, columns 128w .., lane by lane: 16 bytes a lane a tile;
+// bench_tagged_layer.py's mma_packed). Each warp sums its columns in two chains of mma; the warps'
+// sums meet in shared memory (ring.red, one buffer per call in turn, a consumer barrier), and thread p
+// < 8 gets rows 2p and 2p + 1 (owner_pair).
+template <int NC, class Input>
+__device__ __forceinline__ void rows_mma(Ring& ring, const Input& input, float (&acc)[2]) {
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  float d[2][4] = {};
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const unsigned char* chunk = ring.wait(warp / 2);  // the copy that holds the warp's fragments
+    if (ring.math) {
+      unsigned b[8][2];
+      input.fragments(c, b);
+      const uint4* a = reinterpret_cast<const uint4*>(chunk) + warp * 8 * 32 + lane;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) mma_bf16(d[k % 2], a[k * 32], b[k]);
+    }
+    ring.release();
+  }
+  float (*red)[16] = ring.red[ring.buf];
+  ring.buf ^= 1;
+  if ((lane & 3) == 0) {  // columns 0 and 1 of B are the same x: d[.][0] is row g's sum, d[.][2] row g + 8's
+    red[warp][lane >> 2] = d[0][0] + d[1][0];
+    red[warp][(lane >> 2) + 8] = d[0][2] + d[1][2];
+  }
+  consumers_sync();
+  if (t < 8)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) s += red[w][2 * t + r];
+      acc[r] = s;
+    }
+}
+
+// A 16-row task's sums, as rows_dot (lane 0 of warp w: rows 2w, 2w + 1) or with tensor cores rows_mma
+// (thread p: rows 2p, 2p + 1): owner_pair says which.
+template <int NC, bool kIlp, class Input>
+__device__ __forceinline__ void rows16(Ring& ring, const Input& input, float (&acc)[2]) {
+  if constexpr (Input::kMma) rows_mma<NC>(ring, input, acc);
+  else rows_dot<NC, kIlp>(ring, input, acc);
+}
+
 // Rows 16r .. 16r + 15 of a projection whose rows span NC chunks, against hand-off X (NC x 1,024
 // words, polled into xs), each plus its row of ``residual``: handed on to XN (and, given ``out``,
 // stored there unrounded).
-template <int NC, bool kIlp>
+template <int NC, bool kIlp, bool kMma>
 __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, unsigned tag_in, float* xs,
                                                  const float* residual, unsigned* XN, unsigned tag_out, int r,
                                                  float* out, unsigned limit, unsigned backoff, const Stamps& stamp,
@@ -294,9 +400,11 @@ __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, 
   consumers_sync();
   stamp(event);
   float acc[2];
-  rows_dot<NC, kIlp>(ring, SharedInput{xs}, acc);
-  const int row = 16 * r + 2 * (threadIdx.x >> 5);
-  if ((threadIdx.x & 31) == 0)
+  using Input = std::conditional_t<kMma, MmaShared, SharedInput>;
+  const Input input{xs};
+  rows16<NC, kIlp>(ring, input, acc);
+  const int p = owner_pair(input), row = 16 * r + 2 * p;
+  if (p >= 0)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float v = residual[row + i] + acc[i];
@@ -306,15 +414,17 @@ __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, 
   stamp(event + 1);
 }
 
-// Spread layout: the warp's two rows of a one-chunk task against x (1,024 values in shared memory),
-// handed on as float32 partial sums to dst[2w], dst[2w + 1] (64-bit words).
+// Spread layout: the 16 rows of a one-chunk task against x (1,024 values in shared memory), handed on
+// as float32 partial sums to dst[0 .. 16) (64-bit words).
+template <bool kMma>
 __device__ __forceinline__ void partial_rows(Ring& ring, const float* x, unsigned long long* dst, unsigned tag) {
   float acc[2];
-  rows_dot<1, true>(ring, SharedInput{x}, acc);
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0)
+  using Input = std::conditional_t<kMma, MmaShared, SharedInput>;
+  const Input input{x};
+  rows16<1, true>(ring, input, acc);
+  if (const int p = owner_pair(input); p >= 0)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) hand_f32(dst, 2 * warp + r, acc[r], tag);
+    for (int r = 0; r < 2; ++r) hand_f32(dst, 2 * p + r, acc[r], tag);
 }
 
 // One (KV head, split) task: 64 cached rows of K and V (the chunk's rows 0-7 and 8-15) against the
@@ -507,7 +617,8 @@ __device__ void prefetch_ahead(const __nv_bfloat16* W, const int (&ids)[16], int
 // kIlp: the consumers' sums in independent parts, reduced over the warp once a row (rows_dot, attend);
 // kHeld: q/k/v's and gate/up's input held in registers for the phase (HeldInput); kLayout: today's,
 // the spread layout (C, D and E a chunk a task, ``table`` a row of tasks a block) or only D spread.
-template <bool kIlp, bool kHeld, int kLayout>
+// kMma: the rows of q/k/v, the output projection, gate/up and down by tensor cores (rows_mma).
+template <bool kIlp, bool kHeld, int kLayout, bool kMma>
 __global__ void __launch_bounds__(kConsumers + 64, 1)
     tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* table,
                         unsigned seq, int layers, int slots, int ahead, int depth, int prefetch, int check,
@@ -570,7 +681,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
   }
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const unsigned limit = check == 1 ? kSpinLimit : check == 0 ? 1u : 0u;  // poll's limits
-  Ring ring{smem, full0, empty0, slots, 0, math};
+  Ring ring{smem, full0, empty0, slots, 0, math, sh.mma_red, 0};
   float acc[2], acc2[2];
   for (int layer = 0; layer < layers; ++layer) {
     const auto tag = [&](int handoff) { return tag_of(seq, layers, layer, handoff); };
@@ -588,12 +699,13 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
     }
     normalise(sh.h, sh.xn, sh.red);
     stamp(0);
-    with_input<kHeld>(sh.xn, [&](const auto& input) {
+    with_input<kHeld, kMma>(sh.xn, [&](const auto& input) {
+      const int p = owner_pair(input);
       for (int a = b; a < kA; a += P) {
-        rows_dot<1, kIlp>(ring, input, acc);
-        if (lane == 0)
+        rows16<1, kIlp>(ring, input, acc);
+        if (p >= 0)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) hand_bf16(ho.qkv, 16 * a + 2 * warp + r, acc[r], tag(0));
+          for (int r = 0; r < 2; ++r) hand_bf16(ho.qkv, 16 * a + 2 * p + r, acc[r], tag(0));
       }
     });
     stamp(1);
@@ -641,7 +753,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
         poll_bf16<1>(ho.att + half * kCols, kCols, tag(2), sh.att, limit, backoff);
         consumers_sync();
         stamp(6);
-        partial_rows(ring, sh.att, ho.hparts + half * kCols + 16 * (work.c / 2), tag(3));
+        partial_rows<kMma>(ring, sh.att, ho.hparts + half * kCols + 16 * (work.c / 2), tag(3));
         stamp(7);
         consumers_sync();  // sh.att is read before gather_parts (the same buffer) writes
       }
@@ -649,21 +761,25 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       gather_parts<2>(ho.hparts, tag(3), sh.part, sh.h, sh.hmid, nullptr, limit, backoff);
     } else {
       // C: 16 rows of the output projection, plus h
-      if (has_c) project_residual<2, kIlp>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
+      if (has_c) project_residual<2, kIlp, kMma>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
       // D: h_mid normalised; gate and up rows, silu(gate) * up
       poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
     }
     normalise(sh.hmid, sh.xn, sh.red);
     stamp(8);
-    with_input<kHeld>(sh.xn, [&](const auto& input) {
+    with_input<kHeld, kMma>(sh.xn, [&](const auto& input) {
+      const int p = owner_pair(input);
       for (int k = 0; k < work.n_d; ++k) {
         const int j = work.d[k];
-        if constexpr (kLayout != kLayoutToday) {  // a chunk: the warp's gate row and up row 8j + warp
-          rows_dot<1, true>(ring, input, acc);
-          if (lane == 0) hand_bf16(ho.act, 8 * j + warp, acc[0] / (1.f + expf(-acc[0])) * acc[1], tag(4));
+        if constexpr (kLayout != kLayoutToday) {  // a chunk: rows 2p and 2p + 1, gate and up row 8j + p
+          rows16<1, true>(ring, input, acc);
+          if (p >= 0) hand_bf16(ho.act, 8 * j + p, acc[0] / (1.f + expf(-acc[0])) * acc[1], tag(4));
           continue;
         }
-        if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
+        if constexpr (kMma) {
+          rows16<1, true>(ring, input, acc);
+          rows16<1, true>(ring, input, acc2);
+        } else if constexpr (kIlp) {  // gate's and up's partial sums, then all four reductions at once
           rows_dot<1, true, false>(ring, input, acc);
           rows_dot<1, true, false>(ring, input, acc2);
           float sums[4] = {acc[0], acc[1], acc2[0], acc2[1]};
@@ -673,11 +789,11 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
           rows_dot<1, false>(ring, input, acc);
           rows_dot<1, false>(ring, input, acc2);
         }
-        if (lane == 0)
+        if (p >= 0)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float silu = acc[r] / (1.f + expf(-acc[r]));
-            hand_bf16(ho.act, 16 * j + 2 * warp + r, silu * acc2[r], tag(4));
+            hand_bf16(ho.act, 16 * j + 2 * p + r, silu * acc2[r], tag(4));
           }
       }
     });
@@ -690,13 +806,13 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
         stamp(10);
         for (int k = 0; k < work.n_e; ++k) {
           const int third = work.e[k] % 3;
-          partial_rows(ring, sh.act + third * kCols, ho.eparts + third * kCols + 16 * (work.e[k] / 3), tag(5));
+          partial_rows<kMma>(ring, sh.act + third * kCols, ho.eparts + third * kCols + 16 * (work.e[k] / 3), tag(5));
         }
         stamp(11);
       }
     } else {
       // E: 16 rows of the down projection, plus h_mid
-      if (has_e) project_residual<3, kIlp>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
+      if (has_e) project_residual<3, kIlp, kMma>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
     }
   }
   if constexpr (kSpread) {  // the check's ``out``: the last layer's h_mid + down's partials, unrounded
@@ -725,20 +841,22 @@ int64_t layer_chunks() { return kLayerChunks; }
 // the hand-offs and the ring's waits alone; hand-offs carry zeros); backoff: ns between polls of a group (0: none);
 // stamps: int64 [layers * 12 * programs] of %globaltimer stamps (Stamps), or an empty tensor for none;
 // ilp: the consumers' sums in independent parts; held: q/k/v's and gate/up's input in registers;
-// layout: 0 today's, 1 spread, 2 only D spread (the spread layouts' sums independent: ilp).
-template <bool kIlp, bool kHeld>
+// layout: 0 today's, 1 spread, 2 only D spread (the spread layouts' sums independent: ilp); mma: the
+// projections' rows by tensor cores (W packed for them; ilp, and their input held as fragments: not
+// held).
+template <bool kIlp, bool kHeld, bool kMma = false>
 auto kernel_for(int layout) {
   if constexpr (kIlp)
-    return layout == kLayoutSpread    ? tagged_layer_kernel<true, kHeld, kLayoutSpread>
-           : layout == kLayoutSpreadD ? tagged_layer_kernel<true, kHeld, kLayoutSpreadD>
-                                      : tagged_layer_kernel<true, kHeld, kLayoutToday>;
-  else return tagged_layer_kernel<false, kHeld, kLayoutToday>;
+    return layout == kLayoutSpread    ? tagged_layer_kernel<true, kHeld, kLayoutSpread, kMma>
+           : layout == kLayoutSpreadD ? tagged_layer_kernel<true, kHeld, kLayoutSpreadD, kMma>
+                                      : tagged_layer_kernel<true, kHeld, kLayoutToday, kMma>;
+  else return tagged_layer_kernel<false, kHeld, kLayoutToday, false>;
 }
 
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
             torch::Tensor& out, const torch::Tensor& table, int64_t layers, int64_t programs, int64_t seq,
             int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math, int64_t backoff,
-            torch::Tensor& stamps, bool ilp, bool held, int64_t layout) {
+            torch::Tensor& stamps, bool ilp, bool held, int64_t layout, bool mma) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
   TORCH_CHECK(h0.scalar_type() == torch::kFloat32 && h0.numel() >= kCols, "h0: float32 [1024]");
@@ -766,8 +884,10 @@ void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& word
   const Handoffs ho{w, parts, w + 4096, w + 6144, w + 7168, w + 10240, parts + kB * 2 * kPart,
                     parts + kB * 2 * kPart + 2 * kCols};
   const int bytes = slots * kChunkBytes + (kPieces + 1) * slots * 8;
-  const auto kernel = ilp ? (held ? kernel_for<true, true>(layout) : kernel_for<true, false>(layout))
-                          : (held ? kernel_for<false, true>(layout) : kernel_for<false, false>(layout));
+  TORCH_CHECK(!mma || (ilp && !held), "mma: its sums are independent (ilp) and its input not held");
+  const auto kernel = mma   ? kernel_for<true, false, true>(layout)
+                      : ilp ? (held ? kernel_for<true, true>(layout) : kernel_for<true, false>(layout))
+                            : (held ? kernel_for<false, true>(layout) : kernel_for<false, false>(layout));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   kernel<<<programs, kConsumers + 64, bytes, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()), h0.data_ptr<float>(), ho,

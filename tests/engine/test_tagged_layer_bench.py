@@ -1,7 +1,8 @@
 """``benchmarks/bench_tagged_layer.py``: the Qwen3-0.6B-shaped tagged stream computes the layer it
 times (against float64 with the same bf16 roundings), under every ring, cap, layout, L2 prefetcher,
-sum order and input it offers, and the engine's launch it is compared with runs (GPU); its layouts'
-tables cover every task once within each phase's cap, both gate/up packings unpack, bad
+sum order, input and matmul (CUDA or tensor cores) it offers, and the engine's launch it is compared with runs (GPU); its layouts'
+tables cover every task once within each phase's cap, both gate/up packings unpack, tensor cores'
+fragments are packed as PTX lays them out, bad
 ``--prefetch`` kinds are refused by name, and a layer's steps come out of its per-block stamps
 (CPU)."""
 
@@ -17,7 +18,7 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
     argv = ["--layers", "6", "--check-layers", "2", "--ahead", "2", "20", "--round-robin"]
     argv += ["--slots", "5", "6", "--input", "shared", "held"]
     argv += ["--prefetch", "none", "loads:2", "bulk:8", "--sums", "independent", "chained"]
-    argv += ["--layout", "today", "spread", "spread-d"]
+    argv += ["--layout", "today", "spread", "spread-d", "--matmul", "fma", "mma"]
     argv += ["--unchecked", "--no-input", "--no-bytes", "--no-math", "--stamps"]
     assert bench.main([*argv, "--repeats", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
@@ -25,15 +26,16 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
         part.rsplit(" ", 1)
         for part in out.split("relative to the largest value: ")[1].splitlines()[0].split("; ")
     )
-    # 2 inputs × (4 layouts with independent sums: paired, round robin, spread, gate/up spread; 2 with
-    # sums chained) × 2 rings × 2 caps × 3 prefetchers × (end to end, last phase)
-    assert len(errors) == 288
+    # multiply-adds: 2 inputs × (4 layouts with independent sums: paired, round robin, spread, gate/up
+    # spread; 2 with sums chained); tensor cores: 4 layouts; each × 2 rings × 2 caps × 3 prefetchers ×
+    # (end to end, last phase)
+    assert len(errors) == (2 * (4 + 2) + 4) * 2 * 2 * 3 * 2
     for name, error in errors.items():
         assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
     assert "engine's persistent launch" in out and "gate/up round robin" in out
     assert "L2 asked 2 chunks ahead (loads)" in out and "tags unchecked" in out and "no weight bytes" in out
     assert "Where a layer goes" in out and "input held in registers" in out and "no math" in out
-    assert "spread layout" in out and "gate/up spread" in out
+    assert "spread layout" in out and "gate/up spread" in out and "tensor cores" in out
 
 
 def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
@@ -82,6 +84,22 @@ def test_unpack_reads_both_gate_up_packings(load_benchmark):
     for layer, is_spread in ((paired, False), (spread, True)):
         m = bench.unpack(layer, is_spread)
         assert torch.equal(m["gate"].float(), gate) and torch.equal(m["up"].float(), up)
+
+
+def test_mma_packed_lays_each_lane_s_a_fragment_out_as_the_ptx_layout_says(load_benchmark):
+    """Lane l (g = l // 4, c = l % 4) of warp w holds, for k-tile t (k = 128w + 16t), the m16n8k16 A
+    fragment a0..a3: rows g, g + 8 at columns k + 2c, k + 2c + 1, then k + 2c + 8, k + 2c + 9."""
+    bench = load_benchmark("bench_tagged_layer")
+    W = torch.randn(1, bench.CHUNKS, 16, 1024)
+    packed = bench.mma_packed(W)
+    assert torch.equal(packed[:, bench.A : bench.A + bench.B], W[:, bench.A : bench.A + bench.B])  # K/V as is
+    for chunk in (0, bench.A - 1, bench.A + bench.B, bench.A + bench.B + bench.C + 5, bench.CHUNKS - 1):
+        m, flat = W[0, chunk], packed[0, chunk].reshape(-1)
+        for w, t, lane in ((0, 0, 0), (3, 5, 17), (7, 7, 31), (5, 2, 6)):
+            g, c, k = lane // 4, lane % 4, 128 * w + 16 * t
+            at = ((w * 8 + t) * 32 + lane) * 8
+            expected = [m[r, k + 2 * c + kh * 8 + e] for kh in (0, 1) for r in (g, g + 8) for e in (0, 1)]
+            assert torch.equal(flat[at : at + 8], torch.stack(expected)), (chunk, w, t, lane)
 
 
 def test_handed_on_f32_reads_tagged_words_or_refuses_a_stale_one(load_benchmark):
