@@ -22,17 +22,23 @@ moves an output by one bf16 step of it; over many layers such flips grow).
 
 To see where a layer's time goes (session 39), timing-only rows take parts away: the tags not
 checked (``--unchecked``), no hand-off read at all (``--no-input``), no weight bytes copied, so
-the chain of hand-offs alone (``--no-bytes``); ``--stamps`` then times each step of a layer from
-every block's ``%globaltimer``. Variants: a sixth ring slot (``--slots``), a prefetcher warp
-asking L2 for the next chunks (``--prefetch``), polls that back off (``--backoff``), the
-consumers' dot products as one chain of multiply-adds (``--sums chained``, session 38's), and the
-input of q/k/v and gate/up held in registers for the phase (``--input held``; compiled, not yet
-timed, in session 39).
+the chain of hand-offs alone (``--no-bytes``), and no math either, so the hand-offs and the ring's
+waits alone (``--no-math``, session 40); ``--stamps`` then times each step of a layer from every
+block's ``%globaltimer``. Variants: a sixth ring slot (``--slots``), a prefetcher warp asking L2
+for the next chunks (``--prefetch``), polls that back off (``--backoff``), the consumers' dot
+products as one chain of multiply-adds (``--sums chained``, session 38's), the input of q/k/v and
+gate/up held in registers for the phase (``--input held``), and from session 40: layouts that
+spread the output projection, gate/up and down over all blocks a chunk a task, or only gate/up
+(``--layout spread spread-d``), the projections' rows by tensor cores (``--matmul mma``: each
+chunk packed as m16n8k16 A fragments, the normalised input rounded to bf16 as the model rounds
+it), and attention's scores reduced together and P·V by quarters of the rows (``--attention
+quarters``).
 
 Usage:
     python benchmarks/bench_tagged_layer.py                      # caps of 16, 32 and 160 KB
     python benchmarks/bench_tagged_layer.py --ahead 2 4 --layers 28 --repeats 20
     python benchmarks/bench_tagged_layer.py --ahead 2 --unchecked --no-input --no-bytes --stamps
+    python benchmarks/bench_tagged_layer.py --ahead 2 --layout spread-d --matmul mma --attention quarters
 """
 
 from __future__ import annotations
@@ -258,8 +264,9 @@ PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
 SPREAD, SPREAD_D = ", spread layout", ", gate/up spread"  # the tables' keys of spread_tasks
 LAYOUTS = {SPREAD: 1, SPREAD_D: 2}  # the kernel's layout of a table (0: today's)
 # slots, 8 KB copies in flight, layout's table, (prefetch, depth), ns between polls, independent sums,
-# q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores
-Design = tuple[int, int, str, tuple[int, int], int, bool, bool, bool]
+# q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores, attention's P·V
+# by quarters of the rows
+Design = tuple[int, int, str, tuple[int, int], int, bool, bool, bool, bool]
 
 
 def prefetch_mode(spec: str) -> tuple[int, int]:
@@ -306,6 +313,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="the projections' rows: multiply-adds on the CUDA cores, or mma.sync on tensor cores (each chunk "
         "packed as m16n8k16 A fragments, the normalised input rounded to bf16; sums independent, input shared "
         "only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention", nargs="+", default=["rows"], choices=["rows", "quarters"],
+        help="attention's P·V: a thread a (head, dim) over all 64 rows, or each lane a pair of dims for both "
+        "heads over a quarter of the rows, the quarters summed through shared memory",
     )  # fmt: skip
     p.add_argument(
         "--backoff",
@@ -396,9 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         math: bool = True,
     ) -> None:
         seq[0] += 1  # consecutive launches: no word keeps a tag of this one
-        slots, ahead, table, prefetch, backoff, ilp, held, mma = design
+        slots, ahead, table, prefetch, backoff, ilp, held, mma, quarters = design
         ext.launch(W_mma if mma else W, h0, words, part, out, tables[table], layers, P, seq[0], slots,
-                   min(ahead, 4 * slots), *prefetch, check, copies, math, backoff, stamps, ilp, held,
+                   min(ahead, 4 * slots), *prefetch, check, copies, math, quarters, backoff, stamps, ilp, held,
                    LAYOUTS.get(table, 0), mma)  # fmt: skip
 
     designs = {
@@ -406,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f", polls {n} ns apart" if n else "")
         + ("" if sums == "independent" else ", sums chained")
         + (", input held in registers" if held == "held" else "")
-        + (", tensor cores" if mm == "mma" else ""):
-        (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held", mm == "mma")
+        + (", tensor cores" if mm == "mma" else "")
+        + (", P·V by quarters" if pv == "quarters" else ""):
+        (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held", mm == "mma", pv == "quarters")
+        for pv in args.attention
         for mm in args.matmul
         for held in args.input
         for sums in args.sums

@@ -429,9 +429,13 @@ __device__ __forceinline__ void partial_rows(Ring& ring, const float* x, unsigne
 
 // One (KV head, split) task: 64 cached rows of K and V (the chunk's rows 0-7 and 8-15) against the
 // head's two query rows (sh.qkv[0, 256)); each query head's unnormalised output, max and sum go to
-// hand-off 1.
+// hand-off 1. Today's: each row's two scores reduced over the warp by their own shuffles, and P·V a
+// thread a (head, dim) over all 64 rows (one bf16 load a row); ``quarters``: the warp's 16 scores
+// reduced together (halving exchanges), and P·V each lane a pair of dims for both heads over 16 rows
+// (one 32-bit load for four multiply-adds), the quarters summed through shared memory.
 template <bool kIlp>
-__device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long long* part, int task, unsigned tag) {
+__device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long long* part, int task, unsigned tag,
+                                       bool quarters) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const unsigned char* chunk = ring.wait_all();
   if (!ring.math) {
@@ -446,6 +450,30 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
   const float4 q0 = *reinterpret_cast<const float4*>(sh.qkv + lane * 4);
   const float4 q1 = *reinterpret_cast<const float4*>(sh.qkv + 128 + lane * 4);
   const float scale = rsqrtf(128.f);
+  if (quarters) {  // the warp's 16 sums (8 rows x 2 heads) reduced together: 16 shuffles, not 80
+    float v[16];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(K + (8 * warp + r) * 128 + lane * 4);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v[2 * r] = q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y;
+      v[2 * r + 1] = q1.x * a.x + q1.y * a.y + q1.z * b.x + q1.w * b.y;
+    }
+    // Halving exchanges: at the step over lane bit k, a lane keeps the half of its values its bit
+    // selects and adds its partner's copy of that half; lane l ends with value l / 2 (summed over all).
+#pragma unroll
+    for (int m = 16, n = 8; m > 1; m >>= 1, n >>= 1) {
+      const bool upper = lane & m;
+#pragma unroll
+      for (int i = 0; i < n; ++i) {
+        const float send = upper ? v[i] : v[i + n], keep = upper ? v[i + n] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+      }
+    }
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+    if ((lane & 1) == 0) sh.scores[lane & 2 ? 1 : 0][8 * warp + (lane >> 2)] = v[0] * scale;
+  } else {
 #pragma unroll
   for (int j = 8 * warp; j < 8 * warp + 8; ++j) {
     const uint2 raw = *reinterpret_cast<const uint2*>(K + j * 128 + lane * 4);
@@ -462,6 +490,7 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
       sh.scores[0][j] = s0 * scale;
       sh.scores[1][j] = s1 * scale;
     }
+  }
   }
   consumers_sync();
   if (warp < 2) {  // warp i: query head i's softmax over the 64 rows
@@ -483,7 +512,25 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
   consumers_sync();
   const int head = t >> 7, d = t & 127;
   float o = 0.f;
-  if constexpr (kIlp) {  // four independent sums
+  if (quarters) {  // warp w: dims 64 (w % 2) .., rows 16 (w / 2) ..; lane: a pair of dims for both heads
+    const int q = warp >> 1, dim = 64 * (warp & 1) + 2 * lane;
+    float o4[2][2] = {};
+#pragma unroll
+    for (int j = 16 * q; j < 16 * q + 16; ++j) {
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(V + j * 128 + dim));
+#pragma unroll
+      for (int hd = 0; hd < 2; ++hd) {
+        o4[hd][0] = fmaf(sh.scores[hd][j], v.x, o4[hd][0]);
+        o4[hd][1] = fmaf(sh.scores[hd][j], v.y, o4[hd][1]);
+      }
+    }
+    float* red = sh.xn;  // [quarter][head][dim]: free from A's end to D's norm
+#pragma unroll
+    for (int hd = 0; hd < 2; ++hd)
+      *reinterpret_cast<float2*>(red + (q * 2 + hd) * 128 + dim) = make_float2(o4[hd][0], o4[hd][1]);
+    consumers_sync();
+    o = (red[head * 128 + d] + red[(2 + head) * 128 + d]) + (red[(4 + head) * 128 + d] + red[(6 + head) * 128 + d]);
+  } else if constexpr (kIlp) {  // four independent sums
     float o4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 64; ++j) o4[j % 4] = fmaf(sh.scores[head][j], __bfloat162float(V[j * 128 + d]), o4[j % 4]);
@@ -622,7 +669,7 @@ template <bool kIlp, bool kHeld, int kLayout, bool kMma>
 __global__ void __launch_bounds__(kConsumers + 64, 1)
     tagged_layer_kernel(const __nv_bfloat16* W, const float* h0, Handoffs ho, float* out, const int* table,
                         unsigned seq, int layers, int slots, int ahead, int depth, int prefetch, int check,
-                        bool copies, bool math, unsigned backoff, unsigned long long* stamps) {
+                        bool copies, bool math, bool quarters, unsigned backoff, unsigned long long* stamps) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(16) Shared sh;
   __shared__ int producer_next;  // the producer's next chunk, for the prefetcher
@@ -719,7 +766,7 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       poll<Bf16Group, 1>(128, src, sh.qkv, tag(0), limit, backoff);
       consumers_sync();
       stamp(2);
-      attend<kIlp>(ring, sh, ho.part, task, tag(1));
+      attend<kIlp>(ring, sh, ho.part, task, tag(1), quarters);
       stamp(3);
     }
     // M: query head b's 16 partials merged
@@ -838,7 +885,8 @@ int64_t layer_chunks() { return kLayerChunks; }
 // check: 1 polls every hand-off until its tags are current; for timing only (races), 0 reads it once
 // without checking them and -1 does not read it at all; copies: false copies no weights (timing only:
 // the consumers compute on whatever the ring holds); math: false computes nothing either (timing only:
-// the hand-offs and the ring's waits alone; hand-offs carry zeros); backoff: ns between polls of a group (0: none);
+// the hand-offs and the ring's waits alone; hand-offs carry zeros); quarters: attention's P·V by
+// quarters of the rows (attend); backoff: ns between polls of a group (0: none);
 // stamps: int64 [layers * 12 * programs] of %globaltimer stamps (Stamps), or an empty tensor for none;
 // ilp: the consumers' sums in independent parts; held: q/k/v's and gate/up's input in registers;
 // layout: 0 today's, 1 spread, 2 only D spread (the spread layouts' sums independent: ilp); mma: the
@@ -855,7 +903,7 @@ auto kernel_for(int layout) {
 
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
             torch::Tensor& out, const torch::Tensor& table, int64_t layers, int64_t programs, int64_t seq,
-            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math, int64_t backoff,
+            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math, bool quarters, int64_t backoff,
             torch::Tensor& stamps, bool ilp, bool held, int64_t layout, bool mma) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
@@ -893,7 +941,7 @@ void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& word
       reinterpret_cast<const __nv_bfloat16*>(W.data_ptr<at::BFloat16>()), h0.data_ptr<float>(), ho,
       out.data_ptr<float>(), table.data_ptr<int>(), static_cast<unsigned>(seq), static_cast<int>(layers),
       static_cast<int>(slots), static_cast<int>(ahead), static_cast<int>(depth), static_cast<int>(prefetch),
-      static_cast<int>(check), copies, math, static_cast<unsigned>(backoff),
+      static_cast<int>(check), copies, math, quarters, static_cast<unsigned>(backoff),
       stamps.numel() ? reinterpret_cast<unsigned long long*>(stamps.data_ptr<int64_t>()) : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

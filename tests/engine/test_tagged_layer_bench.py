@@ -1,10 +1,9 @@
 """``benchmarks/bench_tagged_layer.py``: the Qwen3-0.6B-shaped tagged stream computes the layer it
 times (against float64 with the same bf16 roundings), under every ring, cap, layout, L2 prefetcher,
-sum order, input and matmul (CUDA or tensor cores) it offers, and the engine's launch it is compared with runs (GPU); its layouts'
-tables cover every task once within each phase's cap, both gate/up packings unpack, tensor cores'
-fragments are packed as PTX lays them out, bad
-``--prefetch`` kinds are refused by name, and a layer's steps come out of its per-block stamps
-(CPU)."""
+sum order, input, matmul (CUDA or tensor cores) and attention it offers, and the engine's launch it
+is compared with runs (GPU); its layouts' tables cover every task once within each phase's cap, both
+gate/up packings unpack, tensor cores' fragments are packed as PTX lays them out, bad ``--prefetch``
+kinds are refused by name, and a layer's steps come out of its per-block stamps (CPU)."""
 
 from __future__ import annotations
 
@@ -36,6 +35,23 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
     assert "L2 asked 2 chunks ahead (loads)" in out and "tags unchecked" in out and "no weight bytes" in out
     assert "Where a layer goes" in out and "input held in registers" in out and "no math" in out
     assert "spread layout" in out and "gate/up spread" in out and "tensor cores" in out
+
+
+@pytest.mark.gpu
+def test_tagged_layer_attention_by_quarters_matches_float64(load_benchmark, capsys):
+    bench = load_benchmark("bench_tagged_layer")
+    argv = ["--layers", "6", "--check-layers", "2", "--ahead", "2", "--attention", "quarters"]
+    argv += ["--layout", "today", "spread", "--matmul", "fma", "mma", "--no-engine"]
+    assert bench.main([*argv, "--repeats", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    errors = dict(
+        part.rsplit(" ", 1)
+        for part in out.split("relative to the largest value: ")[1].splitlines()[0].split("; ")
+    )
+    assert len(errors) == 2 * 2 * 2  # 2 layouts × 2 matmuls × (end to end, last phase)
+    for name, error in errors.items():
+        assert "P·V by quarters" in name
+        assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
 
 
 def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
