@@ -316,8 +316,10 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--attention", nargs="+", default=["rows"], choices=["rows", "quarters"],
-        help="attention's P·V: a thread a (head, dim) over all 64 rows, or each lane a pair of dims for both "
-        "heads over a quarter of the rows, the quarters summed through shared memory",
+        help="attention's scores and P·V: each row's two scores reduced over the warp by their own shuffles and "
+        "a thread a (head, dim) over all 64 rows, or a warp's 16 scores reduced together (halving exchanges) "
+        "and each lane a pair of dims for both heads over a quarter of the rows, the quarters summed through "
+        "shared memory",
     )  # fmt: skip
     p.add_argument(
         "--backoff",
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if sums == "independent" else ", sums chained")
         + (", input held in registers" if held == "held" else "")
         + (", tensor cores" if mm == "mma" else "")
-        + (", P·V by quarters" if pv == "quarters" else ""):
+        + (", attention by quarters" if pv == "quarters" else ""):
         (r, a, t, prefetch_mode(f), n, sums == "independent", held == "held", mm == "mma", pv == "quarters")
         for pv in args.attention
         for mm in args.matmul

@@ -48,9 +48,9 @@
 // today's: 11 chunks on the path, no partial sums gathered).
 #include <cuda_bf16.h>
 #include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
 
 #include <type_traits>
-#include <ATen/cuda/CUDAContext.h>
 
 #include "bulk_stream.cuh"
 
@@ -206,7 +206,7 @@ struct Ring {
   int slots;
   int i;  // the next chunk
   bool math;  // false for timing only: the consumers wait for each chunk and release it, computing nothing
-  float (*red)[8][16];  // tensor cores: each warp's partial row sums, two buffers used in turn (Mma)
+  float (*red)[8][16];  // tensor cores: each warp's partial row sums, two buffers used in turn (rows_mma)
   int buf;
 
   __device__ __forceinline__ const unsigned char* wait(int piece) const {
@@ -475,22 +475,22 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
     if ((lane & 1) == 0) sh.scores[lane & 2 ? 1 : 0][8 * warp + (lane >> 2)] = v[0] * scale;
   } else {
 #pragma unroll
-  for (int j = 8 * warp; j < 8 * warp + 8; ++j) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(K + j * 128 + lane * 4);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    float s0 = q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y;
-    float s1 = q1.x * a.x + q1.y * a.y + q1.z * b.x + q1.w * b.y;
+    for (int j = 8 * warp; j < 8 * warp + 8; ++j) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(K + j * 128 + lane * 4);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      float s0 = q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y;
+      float s1 = q1.x * a.x + q1.y * a.y + q1.z * b.x + q1.w * b.y;
 #pragma unroll
-    for (int m = 16; m > 0; m >>= 1) {
-      s0 += __shfl_xor_sync(0xffffffffu, s0, m);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, m);
+      for (int m = 16; m > 0; m >>= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, m);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, m);
+      }
+      if (lane == 0) {
+        sh.scores[0][j] = s0 * scale;
+        sh.scores[1][j] = s1 * scale;
+      }
     }
-    if (lane == 0) {
-      sh.scores[0][j] = s0 * scale;
-      sh.scores[1][j] = s1 * scale;
-    }
-  }
   }
   consumers_sync();
   if (warp < 2) {  // warp i: query head i's softmax over the 64 rows
@@ -546,7 +546,7 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
 }
 
 // A block's C, D and E work, from the caller's table: today's layout, a row of up to 4 gate/up pairs;
-// the spread layout, a row of 1 C task, 3 D chunks and 2 E tasks (-1: none).
+// the spread layouts, a row of 1 C task, 3 D chunks and 2 E tasks (-1: none).
 constexpr int kPairsWidth = 4, kTasksWidth = 6;
 struct Work {
   int d[4], n_d;  // gate/up pairs, or (spread) D chunks
@@ -599,8 +599,8 @@ __device__ __forceinline__ int block_chunks(int b, int P, const Work& w, int (&i
   return n;
 }
 
-// Spread layout: n partial vectors of 1,024 float32 words (64-bit, ``tag``) polled into sh.part and
-// summed with ``base``, every value rounded to bf16 into ``dst`` (unrounded into ``out`` too, if
+// Spread layout: kN partial vectors of 1,024 float32 words (64-bit, ``tag``) polled into ``scratch``
+// and summed with ``base``, every value rounded to bf16 into ``dst`` (unrounded into ``out`` too, if
 // given). Thread t forms values 4t .. 4t + 3 (normalise's share); the consumers synchronise after
 // the poll only.
 template <int kN>

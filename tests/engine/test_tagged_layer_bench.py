@@ -50,7 +50,7 @@ def test_tagged_layer_attention_by_quarters_matches_float64(load_benchmark, caps
     )
     assert len(errors) == 2 * 2 * 2  # 2 layouts × 2 matmuls × (end to end, last phase)
     for name, error in errors.items():
-        assert "P·V by quarters" in name
+        assert "attention by quarters" in name
         assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
 
 
