@@ -205,26 +205,32 @@ def fixed_chunks(programs: int, today_c_e: bool = False) -> list[int]:
     ]
 
 
-def spread_tasks(programs: int, only_d: bool = False) -> torch.Tensor:
+def spread_tasks(programs: int, only_d: bool = False, down_early: bool = False) -> torch.Tensor:
     """``[programs, 6]`` int32 for the spread layouts: each block's C task (16 rows × one half of the
     output projection), up to 3 D chunks (8 gate and 8 up rows) and up to 2 E tasks (16 rows × one
-    third of down), -1: none; ``only_d``: D's chunks only (C and E on today's 64 blocks each). Each
-    phase's tasks go one by one to the block with the fewest chunks so far among those under the
-    phase's cap (its tasks ÷ the blocks, rounded up), so that every phase is as short as it can be
-    and no block streams more than it must."""
+    third of down), -1: none; ``only_d``: D's chunks only, up to 5 in columns 1-5 (C and E on today's
+    64 blocks each). Each phase's tasks go one by one to the block with the fewest chunks so far among
+    those under the phase's cap (its tasks ÷ the blocks, rounded up), so that every phase is as short
+    as it can be and no block streams more than it must. ``down_early`` (with ``only_d``): the blocks
+    of down get one D chunk fewer than the cap and the others one more, so that down's blocks are
+    polling for their input before the last gate/up rows are handed on."""
     if not 128 <= programs <= 256:
         raise ValueError(f"programs: 128 to 256, not {programs}")
+    if down_early and not only_d:
+        raise ValueError("down_early: only with only_d")
     table = torch.full((programs, 6), -1, dtype=torch.int32)
-    load = fixed_chunks(programs)
-    phases = [(D, 1, -(-D // programs))]
-    if only_d:
-        load = fixed_chunks(programs, today_c_e=True)
-    else:
-        phases = [(C, 0, 1), *phases, (E, 4, -(-E // programs))]
-    for tasks, first, cap in phases:
+    load = fixed_chunks(programs, today_c_e=only_d)
+    cap = -(-D // programs)
+    d_caps = [cap] * programs
+    if down_early:
+        d_caps = [cap - 1 if b < 128 and b % 2 == 1 else cap + 1 for b in range(programs)]
+    phases = [(D, 1, d_caps)]
+    if not only_d:
+        phases = [(C, 0, [1] * programs), *phases, (E, 4, [-(-E // programs)] * programs)]
+    for tasks, first, caps in phases:
         count = [0] * programs
         for task in range(tasks):
-            b = min((b for b in range(programs) if count[b] < cap), key=lambda b: (load[b], b))
+            b = min((b for b in range(programs) if count[b] < caps[b]), key=lambda b: (load[b], b))
             table[b, first + count[b]] = task
             count[b] += 1
             load[b] += 1
@@ -261,8 +267,13 @@ def engine_launch(kv: int):
 
 
 PREFETCH_KINDS = {"none": 0, "loads": 1, "bulk": 2}
-SPREAD, SPREAD_D = ", spread layout", ", gate/up spread"  # the tables' keys of spread_tasks
-LAYOUTS = {SPREAD: 1, SPREAD_D: 2}  # the kernel's layout of a table (0: today's)
+# the tables' keys of spread_tasks
+SPREAD, SPREAD_D, SPREAD_D_EARLY = (
+    ", spread layout",
+    ", gate/up spread",
+    ", gate/up spread, down's blocks early",
+)
+LAYOUTS = {SPREAD: 1, SPREAD_D: 2, SPREAD_D_EARLY: 2}  # the kernel's layout of a table (0: today's)
 # slots, 8 KB copies in flight, layout's table, (prefetch, depth), ns between polls, independent sums,
 # q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores, attention's P·V
 # by quarters of the rows
@@ -332,10 +343,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--round-robin", action="store_true", help="also run round-robin gate/up pairs (unbalanced)"
     )
     p.add_argument(
-        "--layout", nargs="+", default=["today"], choices=["today", "spread", "spread-d"],
+        "--layout", nargs="+", default=["today"], choices=["today", "spread", "spread-d", "spread-d-early"],
         help="C, D and E on 64, all and 64 blocks (today: 14 chunks on the critical path), every phase "
         "spread a chunk a task over all blocks (spread: 9, C's and E's partial sums gathered by every "
-        "block), or only D (spread-d: 11; spread_tasks; the spread layouts' sums independent only)",
+        "block), or only D (spread-d: 11; spread-d-early: 12, down's blocks with one D chunk fewer, so that they "
+        "wait for D's output early; spread_tasks; the spread layouts' sums independent only)",
     )  # fmt: skip
     p.add_argument(
         "--prefetch", nargs="+", default=["none"], metavar="KIND[:DEPTH]",
@@ -398,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         tables[SPREAD] = spread_tasks(P).to(dev)
     if "spread-d" in args.layout:
         tables[SPREAD_D] = spread_tasks(P, only_d=True).to(dev)
+    if "spread-d-early" in args.layout:
+        tables[SPREAD_D_EARLY] = spread_tasks(P, only_d=True, down_early=True).to(dev)
 
     no_stamps = torch.empty(0, device=dev, dtype=torch.int64)
 

@@ -546,10 +546,11 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
 }
 
 // A block's C, D and E work, from the caller's table: today's layout, a row of up to 4 gate/up pairs;
-// the spread layouts, a row of 1 C task, 3 D chunks and 2 E tasks (-1: none).
+// the spread layout, a row of 1 C task, 3 D chunks and 2 E tasks; only D spread, up to 5 D chunks in
+// columns 1-5 (-1: none).
 constexpr int kPairsWidth = 4, kTasksWidth = 6;
 struct Work {
-  int d[4], n_d;  // gate/up pairs, or (spread) D chunks
+  int d[5], n_d;  // gate/up pairs, or (spread) D chunks
   int c, e[2], n_e;  // spread only: the C task, the E tasks
 };
 
@@ -560,11 +561,14 @@ constexpr int kLayoutToday = 0, kLayoutSpread = 1, kLayoutSpreadD = 2;
 template <int kLayout>
 __device__ __forceinline__ Work block_work(const int* table, int b) {
   Work w{{}, 0, -1, {}, 0};
-  if constexpr (kLayout != kLayoutToday) {
+  if constexpr (kLayout == kLayoutSpread) {
     const int* row = table + kTasksWidth * b;
     w.c = row[0];
     for (int k = 1; k < 4 && row[k] >= 0; ++k) w.d[w.n_d++] = row[k];
     for (int k = 4; k < 6 && row[k] >= 0; ++k) w.e[w.n_e++] = row[k];
+  } else if constexpr (kLayout == kLayoutSpreadD) {
+    const int* row = table + kTasksWidth * b;
+    for (int k = 1; k < 6 && row[k] >= 0; ++k) w.d[w.n_d++] = row[k];
   } else {
     const int* row = table + kPairsWidth * b;
     for (int k = 0; k < 4 && row[k] >= 0; ++k) w.d[w.n_d++] = row[k];

@@ -17,7 +17,7 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
     argv = ["--layers", "6", "--check-layers", "2", "--ahead", "2", "20", "--round-robin"]
     argv += ["--slots", "5", "6", "--input", "shared", "held"]
     argv += ["--prefetch", "none", "loads:2", "bulk:8", "--sums", "independent", "chained"]
-    argv += ["--layout", "today", "spread", "spread-d", "--matmul", "fma", "mma"]
+    argv += ["--layout", "today", "spread", "spread-d", "spread-d-early", "--matmul", "fma", "mma"]
     argv += ["--unchecked", "--no-input", "--no-bytes", "--no-math", "--stamps"]
     assert bench.main([*argv, "--repeats", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
@@ -25,16 +25,18 @@ def test_tagged_layer_matches_float64(load_benchmark, capsys):
         part.rsplit(" ", 1)
         for part in out.split("relative to the largest value: ")[1].splitlines()[0].split("; ")
     )
-    # multiply-adds: 2 inputs × (4 layouts with independent sums: paired, round robin, spread, gate/up
-    # spread; 2 with sums chained); tensor cores: 4 layouts; each × 2 rings × 2 caps × 3 prefetchers ×
-    # (end to end, last phase)
-    assert len(errors) == (2 * (4 + 2) + 4) * 2 * 2 * 3 * 2
+    # multiply-adds: 2 inputs × (5 layouts with independent sums: paired, round robin, spread, gate/up
+    # spread, the same with down's blocks early; 2 with sums chained); tensor cores: 5 layouts; each × 2
+    # rings × 2 caps × 3 prefetchers × (end to end, last phase)
+    assert len(errors) == (2 * (5 + 2) + 5) * 2 * 2 * 3 * 2
     for name, error in errors.items():
         assert float(error) < (1e-2 if "end to end" in name else 1e-3), name
     assert "engine's persistent launch" in out and "gate/up round robin" in out
     assert "L2 asked 2 chunks ahead (loads)" in out and "tags unchecked" in out and "no weight bytes" in out
     assert "Where a layer goes" in out and "input held in registers" in out and "no math" in out
-    assert "spread layout" in out and "gate/up spread" in out and "tensor cores" in out
+    assert (
+        "spread layout" in out and "gate/up spread" in out and "tensor cores" in out and "blocks early" in out
+    )
 
 
 @pytest.mark.gpu
@@ -63,27 +65,39 @@ def test_pairs_cover_every_gate_up_chunk_once(load_benchmark):
             assert sorted(int(j) for j in table.flatten() if j >= 0) == list(range(bench.D // 2))
 
 
-@pytest.mark.parametrize("only_d", [False, True])
-def test_spread_tasks_cover_every_task_once_within_each_phase_s_cap(load_benchmark, only_d):
+@pytest.mark.parametrize("only_d, down_early", [(False, False), (True, False), (True, True)])
+def test_spread_tasks_cover_every_task_once_within_each_phase_s_cap(load_benchmark, only_d, down_early):
     bench = load_benchmark("bench_tagged_layer")
     for programs in (128, 132, 144, 256):
-        table = bench.spread_tasks(programs, only_d)
+        table = bench.spread_tasks(programs, only_d, down_early)
         assert table.shape == (programs, 6)
-        phases = {"D": (table[:, 1:4], bench.D)}
+        cap = -(-bench.D // programs)
+        phases = {"D": (table[:, 1:] if only_d else table[:, 1:4], bench.D)}
         if not only_d:
             phases |= {"C": (table[:, :1], bench.C), "E": (table[:, 4:], bench.E)}
         else:
-            assert (table[:, 0] < 0).all() and (table[:, 4:] < 0).all()
+            assert (table[:, 0] < 0).all()
         for name, (cols, tasks) in phases.items():
             assert sorted(int(j) for j in cols.flatten() if j >= 0) == list(range(tasks)), name
             # no block runs more of a phase than its tasks ÷ the blocks, rounded up: the phase's path
-            assert int((cols >= 0).sum(1).max()) == -(-tasks // programs), name
+            if not down_early:
+                assert int((cols >= 0).sum(1).max()) == -(-tasks // programs), name
+        if (
+            down_early
+        ):  # down's blocks (today's: odd, below 128) one D chunk under the cap, the others one over
+            d = (table[:, 1:] >= 0).sum(1)
+            down = torch.tensor([b < 128 and b % 2 == 1 for b in range(programs)])
+            assert int(d[down].max()) <= cap - 1 and int(d[~down].max()) <= cap + 1
+        elif only_d:
+            assert (table[:, 4:] < 0).all()
         # and no block streams more chunks a layer than an even share of the 1,088, rounded up
         chunks = torch.tensor(bench.fixed_chunks(programs, only_d)) + (table >= 0).sum(1)
         assert int(chunks.sum()) == bench.CHUNKS
         assert int(chunks.max()) <= -(-bench.CHUNKS // programs)
     with pytest.raises(ValueError, match="programs"):
         bench.spread_tasks(100)
+    with pytest.raises(ValueError, match="down_early"):
+        bench.spread_tasks(132, only_d=False, down_early=True)
 
 
 def test_unpack_reads_both_gate_up_packings(load_benchmark):
