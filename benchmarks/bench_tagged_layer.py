@@ -275,8 +275,8 @@ SPREAD, SPREAD_D, SPREAD_D_EARLY = (
 )
 LAYOUTS = {SPREAD: 1, SPREAD_D: 2, SPREAD_D_EARLY: 2}  # the kernel's layout of a table (0: today's)
 # slots, 8 KB copies in flight, layout's table, (prefetch, depth), ns between polls, independent sums,
-# q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores, attention's P·V
-# by quarters of the rows
+# q/k/v's and gate/up's input held in registers, the projections' rows by tensor cores, attention by
+# quarters (its scores reduced together, P·V by quarters of the rows)
 Design = tuple[int, int, str, tuple[int, int], int, bool, bool, bool, bool]
 
 
@@ -346,8 +346,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--layout", nargs="+", default=["today"], choices=["today", "spread", "spread-d", "spread-d-early"],
         help="C, D and E on 64, all and 64 blocks (today: 14 chunks on the critical path), every phase "
         "spread a chunk a task over all blocks (spread: 9, C's and E's partial sums gathered by every "
-        "block), or only D (spread-d: 11; spread-d-early: 12, down's blocks with one D chunk fewer, so that they "
-        "wait for D's output early; spread_tasks; the spread layouts' sums independent only)",
+        "block), or only D (spread-d: 11; spread-d-early: 12, down's blocks with one D chunk fewer, so that "
+        "they wait for D's output early; spread_tasks; the spread layouts' sums independent only)",
     )  # fmt: skip
     p.add_argument(
         "--prefetch", nargs="+", default=["none"], metavar="KIND[:DEPTH]",
@@ -374,8 +374,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--stamps", action="store_true",
-        help="then time each step of a layer (%%globaltimer) in the first design of each layout and matmul (and without weight "
-        "bytes, given --no-bytes, and computing nothing, given --no-math)",
+        help="then time each step of a layer (%%globaltimer) in the first design of each layout and matmul "
+        "(and without weight bytes, given --no-bytes, and computing nothing, given --no-math)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the designs (best median kept)")
