@@ -255,7 +255,8 @@ __device__ __forceinline__ void mma_fragments(const float* x, unsigned (&b)[8][2
   const float* p = x + (threadIdx.x >> 5) * 128 + 2 * (threadIdx.x & 3);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const float2 lo = *reinterpret_cast<const float2*>(p + 16 * t), hi = *reinterpret_cast<const float2*>(p + 16 * t + 8);
+    const float2 lo = *reinterpret_cast<const float2*>(p + 16 * t);
+    const float2 hi = *reinterpret_cast<const float2*>(p + 16 * t + 8);
     const __nv_bfloat162 blo = __floats2bfloat162_rn(lo.x, lo.y), bhi = __floats2bfloat162_rn(hi.x, hi.y);
     b[t][0] = *reinterpret_cast<const unsigned*>(&blo);
     b[t][1] = *reinterpret_cast<const unsigned*>(&bhi);
@@ -812,7 +813,9 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       gather_parts<2>(ho.hparts, tag(3), sh.part, sh.h, sh.hmid, nullptr, limit, backoff);
     } else {
       // C: 16 rows of the output projection, plus h
-      if (has_c) project_residual<2, kIlp, kMma>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit, backoff, stamp, 6);
+      if (has_c)
+        project_residual<2, kIlp, kMma>(ring, ho.att, tag(2), sh.att, sh.h, ho.hmid, tag(3), b / 2, nullptr, limit,
+                                        backoff, stamp, 6);
       // D: h_mid normalised; gate and up rows, silu(gate) * up
       poll_bf16<1>(ho.hmid, kCols, tag(3), sh.hmid, limit, backoff);
     }
@@ -863,7 +866,9 @@ __global__ void __launch_bounds__(kConsumers + 64, 1)
       }
     } else {
       // E: 16 rows of the down projection, plus h_mid
-      if (has_e) project_residual<3, kIlp, kMma>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff, stamp, 10);
+      if (has_e)
+        project_residual<3, kIlp, kMma>(ring, ho.act, tag(4), sh.act, sh.hmid, ho.h, tag(5), b / 2, out, limit, backoff,
+                                        stamp, 10);
     }
   }
   if constexpr (kSpread) {  // the check's ``out``: the last layer's h_mid + down's partials, unrounded
@@ -907,7 +912,8 @@ auto kernel_for(int layout) {
 
 void launch(const torch::Tensor& W, const torch::Tensor& h0, torch::Tensor& words, torch::Tensor& part,
             torch::Tensor& out, const torch::Tensor& table, int64_t layers, int64_t programs, int64_t seq,
-            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math, bool quarters, int64_t backoff,
+            int64_t slots, int64_t ahead, int64_t prefetch, int64_t depth, int64_t check, bool copies, bool math,
+            bool quarters, int64_t backoff,
             torch::Tensor& stamps, bool ilp, bool held, int64_t layout, bool mma) {
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == torch::kBFloat16 && W.numel() >= layers * kLayerChunks * kChunkElems,
               "W: bf16, layers * ", kLayerChunks, " chunks of ", kChunkElems);
