@@ -188,12 +188,22 @@ def gate_up_pairs(programs: int, balanced: bool) -> torch.Tensor:
             b = j % programs
             table[b, (table[b] >= 0).sum()] = j
         return table
-    load = fixed_chunks(programs, today_c_e=True)
-    for j in range(D // 2):
-        b = min((b for b in range(programs) if (table[b] >= 0).sum() < 4), key=lambda b: (load[b], b))
-        table[b, (table[b] >= 0).sum()] = j
-        load[b] += 2
+    for b, pairs in enumerate(
+        balanced_tasks(D // 2, [4] * programs, fixed_chunks(programs, today_c_e=True), 2)
+    ):
+        table[b, : len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
     return table
+
+
+def balanced_tasks(tasks: int, caps: list[int], load: list[int], chunks: int = 1) -> list[list[int]]:
+    """Each block's tasks: each task in turn (of ``chunks`` chunks) to the block with the fewest chunks
+    so far (``load``, updated) among those with fewer tasks than their cap, the lowest index on a tie."""
+    assigned: list[list[int]] = [[] for _ in caps]
+    for task in range(tasks):
+        b = min((b for b in range(len(caps)) if len(assigned[b]) < caps[b]), key=lambda b: (load[b], b))
+        assigned[b].append(task)
+        load[b] += chunks
+    return assigned
 
 
 def fixed_chunks(programs: int, today_c_e: bool = False) -> list[int]:
@@ -228,12 +238,8 @@ def spread_tasks(programs: int, only_d: bool = False, down_early: bool = False) 
     if not only_d:
         phases = [(C, 0, [1] * programs), *phases, (E, 4, [-(-E // programs)] * programs)]
     for tasks, first, caps in phases:
-        count = [0] * programs
-        for task in range(tasks):
-            b = min((b for b in range(programs) if count[b] < caps[b]), key=lambda b: (load[b], b))
-            table[b, first + count[b]] = task
-            count[b] += 1
-            load[b] += 1
+        for b, mine in enumerate(balanced_tasks(tasks, caps, load)):
+            table[b, first : first + len(mine)] = torch.tensor(mine, dtype=torch.int32)
     return table
 
 
