@@ -22,7 +22,9 @@ device sampling, one host check per 32 steps); the time is the median of ``--rep
 * batch 1: ``--persistent auto`` (default) lets the runner time the decoder layers as one
   persistent launch against the layered kernels and use it below the cache length where it stops
   being faster (``FastDecoder.use_persistent = None``); ``on`` / ``off`` force one; ``--compare-persistent`` also times batch 1 with both
-  forced in the same run (columns "layered" and "one launch") and prints what ``auto`` picked.
+  forced in the same run (columns "layered" and "one launch") and prints what ``auto`` picked; where the
+  one launch is the tagged kernel (``engine/fast/tagged.py``: Qwen3-0.6B on Hopper), also with the Triton
+  launch (column "Triton one launch").
 * ``--phases``: also prints, per model and KV length, where the persistent launch's time goes at
   batch 1: per phase (A q/k/v, B attention, C output projection, D gate/up, E down) the barrier
   (first program out − last program in) and the slowest program's work, medians over layers, and
@@ -244,7 +246,7 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
         batches = [b for b in args.batches if b <= fits]
         for b in args.batches:
             if b > fits:
-                rows.append([name, b, kv, "does not fit", *[""] * 12])
+                rows.append([name, b, kv, "does not fit", *[""] * 13])
         if not batches:
             continue
         cache = SlotKVCache(
@@ -273,11 +275,18 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
                 set_fusions(runner, args.fusions)
             forced = {}
             if args.compare_persistent and b == 1:
+                dec = runner.decoder
+                kernel = dec.persistent_kernel
                 for use in (False, True):
-                    runner.decoder.use_persistent = use
+                    dec.use_persistent = use
                     runner.recapture()
                     forced[use] = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
-                runner.decoder.use_persistent = mode
+                if kernel == "tagged":  # the Triton launch too, in the same run
+                    dec.persistent_kernel = "triton"
+                    runner.recapture()
+                    forced["triton"] = time_generate(runner, b, kv, args.steps, args.repeats)[0] * 1e3
+                    dec.persistent_kernel = kernel
+                dec.use_persistent = mode
                 runner.recapture()
             dec = runner.decoder
             pick = (dec.persistent_max_len is not None and kv < dec.persistent_max_len) if mode is None else mode
@@ -288,7 +297,8 @@ def bench_model(name: str, args, bandwidth: float) -> list[list[object]]:
             rows.append([
                 name, b, kv, tps, step * 1e3, floor * 1e3, step / floor, (weight_bytes + kv_read) / step / 1e12,
                 hf_tps if hf_tps else "", tps / hf_tps if hf_tps else "", cublas, unfused,
-                forced.get(False, ""), forced.get(True, ""), ("one launch" if pick else "layered") if b == 1 else "", setup,
+                forced.get(False, ""), forced.get(True, ""), forced.get("triton", ""),
+                (f"one launch ({dec.persistent_kernel})" if pick else "layered") if b == 1 else "", setup,
             ])  # fmt: skip
             print(f"[{name}] batch {b} kv {kv}: {tps:.0f} tok/s, {step * 1e3:.3f} ms/step, {step / floor:.2f}x floor", flush=True)
             if b == 1:
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     headers = [
         "model", "batch", "KV", "fast tok/s", "ms/step", "floor ms", "× floor", "TB/s read", "HF tok/s", "fast / HF",
         "cuBLAS ms/step", f"fusions {args.compare_fusions or '—'} ms/step", "layered ms/step", "one launch ms/step",
-        "batch 1 ran", "first run +s",
+        "Triton one launch ms/step", "batch 1 ran", "first run +s",
     ]  # fmt: skip
     print_table(
         headers,

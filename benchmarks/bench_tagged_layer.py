@@ -50,6 +50,8 @@ import sys
 import torch
 from gpu_shapes import copy_bandwidth, cuda_extension, cuda_time, device_line, print_table, random_model
 
+from compaction_gym.engine.fast.tagged import balanced_tasks, mma_fragments
+
 CHUNK = (16, 1024)  # rows × columns of a 32 KB chunk
 A, B, C, D, E = 256, 128, 128, 384, 192  # chunks a layer, by phase (tagged_layer_cuda.cu)
 CHUNKS = A + B + C + D + E
@@ -88,12 +90,8 @@ def unpack(layer: torch.Tensor, spread: bool = False) -> dict[str, torch.Tensor]
 
 def mma_packed(W: torch.Tensor) -> torch.Tensor:
     """W with every projection chunk (all but attention's K/V) reordered as tensor cores' m16n8k16 A
-    fragments: warp w's 8 k-tiles (columns 128w + 16t ..), 16 bytes a lane (g, c: lane // 4, lane % 4):
-    rows g and g + 8 at columns 2c, 2c + 1, then 2c + 8, 2c + 9 (tagged_layer_cuda.cu's rows_mma)."""
-    # [.., 16, 1,024] as [.., row half, g, w, t, k half, c, e]: row 8 half + g, column 128w + 16t + 8 khalf + 2c + e
-    frag = W.unflatten(-1, (8, 8, 2, 4, 2)).unflatten(-6, (2, 8))
-    lead = list(range(W.dim() - 2))
-    packed = frag.permute(*lead, -5, -4, -6, -2, -3, -7, -1).reshape(W.shape)
+    fragments (the engine's :func:`~compaction_gym.engine.fast.tagged.mma_fragments`)."""
+    packed = mma_fragments(W)
     packed[:, A : A + B] = W[:, A : A + B]
     return packed.contiguous()
 
@@ -193,17 +191,6 @@ def gate_up_pairs(programs: int, balanced: bool) -> torch.Tensor:
     ):
         table[b, : len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
     return table
-
-
-def balanced_tasks(tasks: int, caps: list[int], load: list[int], chunks: int = 1) -> list[list[int]]:
-    """Each block's tasks: each task in turn (of ``chunks`` chunks) to the block with the fewest chunks
-    so far (``load``, updated) among those with fewer tasks than their cap, the lowest index on a tie."""
-    assigned: list[list[int]] = [[] for _ in caps]
-    for task in range(tasks):
-        b = min((b for b in range(len(caps)) if len(assigned[b]) < caps[b]), key=lambda b: (load[b], b))
-        assigned[b].append(task)
-        load[b] += chunks
-    return assigned
 
 
 def fixed_chunks(programs: int, today_c_e: bool = False) -> list[int]:

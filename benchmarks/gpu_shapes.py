@@ -124,7 +124,8 @@ def cuda_extension(source: str):
     if CUDA_HOME is None:
         return None
     path = Path(__file__).with_name(source)
-    return load(name=path.stem, sources=[str(path)], extra_cuda_cflags=["-O3"])
+    csrc = Path(__file__).parents[1] / "compaction_gym" / "engine" / "fast" / "csrc"  # bulk_stream.cuh
+    return load(name=path.stem, sources=[str(path)], extra_cuda_cflags=["-O3"], extra_include_paths=[str(csrc)])
 
 
 def copy_bandwidth(device: str = "cuda", nbytes: int = 2 << 30, repeats: int = 20) -> float:

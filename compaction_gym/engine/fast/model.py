@@ -19,6 +19,7 @@ lengths, SDPA over their slot rows) share it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ from compaction_gym.engine.fast.persistent import (
     persistent_layers,
     persistent_supported,
 )
+from compaction_gym.engine.fast.tagged import TaggedPlan, build_tagged_plan, tagged_layers, tagged_supported
+
+logger = logging.getLogger(__name__)
 
 #: ``config.model_type`` values the fast decoder runs.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -164,6 +168,7 @@ class FastDecoder:
         self.persistent_max_len: int | None = None
         self.persistent_times: dict[tuple[bool, int], float] = {}
         self._plan: PersistentPlan | None = None
+        self._tagged: TaggedPlan | None = None
         #: set by the runner while it warms up and captures a decode graph (see :meth:`_linear`)
         self.graph_mode = False
         self._gemv_choice: dict[tuple, tuple | bool] = {}
@@ -193,6 +198,11 @@ class FastDecoder:
         self._rotary = inner.rotary_emb
         self.cos = self.sin = torch.empty(0, self.head_dim // 2, dtype=self.dtype, device=self.device)
         self.ensure_positions(int(getattr(cfg, "max_position_embeddings", 4096) or 4096))
+        #: the one launch of :meth:`run_persistent`: ``"tagged"`` (:func:`tagged_layers`, no grid
+        #: barrier; Qwen3-0.6B's shape on Hopper, where :func:`tagged_supported` allows) or ``"triton"``
+        #: (:func:`persistent_layers`); ``COMPACTION_GYM_TAGGED=0`` in the environment keeps ``"triton"``
+        tagged = os.environ.get("COMPACTION_GYM_TAGGED", "1") != "0" and tagged_supported(self) is None
+        self.persistent_kernel = "tagged" if tagged else "triton"
 
     # ------------------------------------------------------------------ rotary
     @torch.no_grad()
@@ -299,10 +309,28 @@ class FastDecoder:
         ``[layers, 1, H_q, d]`` receives the rotated queries (see
         :func:`~compaction_gym.engine.fast.persistent.persistent_layers`).
         """
-        if self._plan is None:
-            self._plan = build_plan(self)
-        h = persistent_layers(self, self._plan, ids, positions, slots, rows, lens, k_cache, v_cache, beta, q_out)
+        self.refresh_packed()
+        if self.persistent_kernel == "tagged":
+            h = tagged_layers(self, self._tagged, ids, positions, slots, rows, lens, k_cache, v_cache, beta, q_out)
+        else:
+            if self._plan is None:
+                self._plan = build_plan(self)
+            h = persistent_layers(self, self._plan, ids, positions, slots, rows, lens, k_cache, v_cache, beta, q_out)
         return self._linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+
+    def refresh_packed(self) -> None:
+        """Before a tagged launch (or a graph holding one) runs: build its packed weights on first use, and
+        pack them again if a parameter changed in place since (docs/fast-path.md, "Tagged hand-offs")."""
+        if self.persistent_kernel != "tagged":
+            return
+        if self._tagged is not None:
+            self._tagged.refresh(self)
+            return
+        try:
+            self._tagged = build_tagged_plan(self)  # compiles the kernel on first use
+        except Exception as err:  # noqa: BLE001 - a failed build keeps the Triton launch, said once
+            logger.warning("tagged layers unavailable (%s: %s); using the Triton persistent launch", type(err).__name__, err)
+            self.persistent_kernel = "triton"
 
     # ------------------------------------------------------------------ projections
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

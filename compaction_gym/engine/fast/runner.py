@@ -237,7 +237,10 @@ class FastModelRunner:
         """The decode graph for ``bucket`` rows, output ``kind`` and ``record`` (captured on first use);
         a batch-1 graph for a row of ``length`` cached rows runs its layers as one persistent launch
         where :meth:`_persistent_for` says so."""
-        return self._graph_for(bucket, kind, record, bucket == 1 and self._persistent_for(length))
+        persistent = bucket == 1 and self._persistent_for(length)
+        if persistent:
+            self.decoder.refresh_packed()  # a graph replays the tagged launch's packed weights
+        return self._graph_for(bucket, kind, record, persistent)
 
     def _graph_for(self, bucket: int, kind: str, record: bool, persistent: bool) -> _Graph:
         key = (bucket, kind, record, persistent)
