@@ -26,6 +26,19 @@
 //      up to 5 a block), silu(gate) * up -> hand-off 4: act (3,072)
 //   E  64 blocks: 16 rows of the down projection (3 chunks) + h_mid -> hand-off 5: h (the last
 //      layer's also to ``out``)
+//
+// Each hand-off's buffer is reused by every layer, and every word of it is written in every layer.
+// A word is written again only after all its readers have read it, because each rewrite depends on
+// work those readers do after reading. Every phase's output is read whole by the next phase, and
+// every block has q/k/v chunks (P <= 256), so the next layer's C needs every block's A of that layer:
+//   h_mid (D, every block), act (E), h (A, every block): rewritten by the next layer's C, D and E,
+//     after every block's next A, which each block starts after its reads;
+//   q/k/v (B): rewritten by the next layer's A, after h <- act <- h_mid <- att <- every partial,
+//     each written after its task's reads;
+//   partials (M): rewritten by the next B, after q/k/v <- h <- ... <- att, every merge's output;
+//   att (C): rewritten by the next M, after its partials <- q/k/v <- h <- act <- every C block's
+//     h_mid.
+
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_bf16.h>
 #include <torch/extension.h>
