@@ -170,21 +170,24 @@ def _step(runner, n: int, path: str, slot: int = 0, token: int = 11):
 
             logits = dec.run(ids, pos, slots, rows, c.k, c.v, attend, q_out=q)
         elif path == "persistent":
-            if "_test_plan" not in dec.__dict__:
-                dec._test_plan = build_plan(dec)
-            plan = dec._test_plan
+            plan = _plan_of(dec, "_test_plan", build_plan)
             h = persistent_layers(dec, plan, ids, pos, slots, rows, lens, c.k, c.v, c.beta, q)
             logits = dec._linear(_final_norm(dec, h), dec.lm_head)
         else:
-            if "_test_tagged" not in dec.__dict__:
-                dec._test_tagged = build_tagged_plan(dec)
-            plan = dec._test_tagged
+            plan = _plan_of(dec, "_test_tagged", build_tagged_plan)
             h = tagged_layers(dec, plan, ids, pos, slots, rows, lens, c.k, c.v, c.beta, q)
             logits = dec._linear(_final_norm(dec, h), dec.lm_head)
             assert plan.faults() == 0
     out = (logits.float(), c.k[slot, :, :, n].clone(), c.v[slot, :, :, n].clone(), q)
     c.k[slot, :, :, n], c.v[slot, :, :, n] = saved
     return out
+
+
+def _plan_of(dec, name: str, build):
+    """A plan built once per decoder (kept on it under ``name``)."""
+    if name not in dec.__dict__:
+        setattr(dec, name, build(dec))
+    return getattr(dec, name)
 
 
 def _final_norm(dec, h):

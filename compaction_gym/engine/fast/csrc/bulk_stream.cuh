@@ -1,4 +1,4 @@
-// What layer_chain_cuda.cu and tagged_layer_cuda.cu share: a producer warp's bulk copies into a ring
+// What layer_chain_cuda.cu, tagged_layer_cuda.cu and the engine's tagged_layers.cu share: a producer warp's bulk copies into a ring
 // of shared-memory slots (mbarriers), the consumer warps' named barrier, and the tagged 32-bit words
 // of session 38's hand-offs (a bf16 value in the low half, a 16-bit tag in the high half;
 // docs/benchmarks.md, "Session 38").
@@ -154,6 +154,55 @@ __device__ __forceinline__ void warp_sums(float (&v)[N]) {
   for (int m = 16; m > 0; m >>= 1)
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], m);
+}
+
+// What tagged_layers.cu (the engine's kernel) and tagged_layer_cuda.cu (its benchmark) share: the
+// hand-off stores, the two kinds of 16-byte groups a hand-off is
+// polled in, and tensor cores' m16n8k16.
+
+__device__ __forceinline__ void hand_bf16(unsigned* X, int i, float v, unsigned tag) {
+  store_word(X + i, tagged_word(v, tag));
+}
+
+// A float32 hand-off word of 64 bits: the value in the low half, the tag in the high half.
+__device__ __forceinline__ void hand_f32(unsigned long long* X, int i, float v, unsigned tag) {
+  const unsigned long long word = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(X + i), "l"(word) : "memory");
+}
+
+// The two kinds of 16-byte groups a hand-off is polled in: four bf16 words (value, 16-bit tag) and
+// two float32 words of 64 bits (value, 32-bit tag; each 64-bit element of the vector load is read
+// whole). ``put`` stores a group's values as float32 at dst + (values a group) * g.
+struct Bf16Group {
+  using Word = unsigned;
+  uint4 v;
+  __device__ __forceinline__ void load(const Word* p) { v = load_words(p); }
+  __device__ __forceinline__ bool current(unsigned tag) const { return bulk_stream::current(v, tag); }
+  __device__ __forceinline__ void put(float* dst, int g) const {
+    *reinterpret_cast<float4*>(dst + 4 * g) = word_values(v);
+  }
+};
+
+struct F32Group {
+  using Word = unsigned long long;
+  ulonglong2 v;
+  __device__ __forceinline__ void load(const Word* p) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  }
+  __device__ __forceinline__ bool current(unsigned tag) const { return (v.x >> 32) == tag && (v.y >> 32) == tag; }
+  __device__ __forceinline__ void put(float* dst, int g) const {
+    dst[2 * g] = __uint_as_float(static_cast<unsigned>(v.x));
+    dst[2 * g + 1] = __uint_as_float(static_cast<unsigned>(v.y));
+  }
+};
+
+// m16n8k16 with bf16 inputs and float32 sums: d += a · b.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& a, const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace bulk_stream

@@ -107,21 +107,15 @@ struct Shared {
   float mma_red[2][8][16];  // rows_mma's warps' sums
 };
 
+// Hand-off ``handoff`` (0-5) of ``layer`` in launch ``seq``: tags 1 .. 65,535 (0 is a zeroed word's),
+// periodic in ``seq`` without overflow (the
+// benchmark's 32-bit form wraps after ~25M launches; the engine's must not).
 __device__ __forceinline__ unsigned tag_of(unsigned seq, int layers, int layer, int handoff) {
-  const unsigned long long period = 65535;  // tags 1 .. 65,535; 0 is a zeroed word's
+  const unsigned long long period = 65535;
   return 1u + static_cast<unsigned>(((seq % period) * (6ull * layers % period) + 6ull * layer + handoff) % period);
 }
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ void hand_bf16(unsigned* X, int i, float v, unsigned tag) {
-  store_word(X + i, tagged_word(v, tag));
-}
-
-__device__ __forceinline__ void hand_f32(unsigned long long* X, int i, float v, unsigned tag) {
-  const unsigned long long word = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(X + i), "l"(word) : "memory");
-}
 
 // Four bf16 values of a norm's weight (8 bytes), as float32.
 __device__ __forceinline__ float4 load_bf16x4(const __nv_bfloat16* p) {
@@ -130,27 +124,6 @@ __device__ __forceinline__ float4 load_bf16x4(const __nv_bfloat16* p) {
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
-
-struct Bf16Group {
-  uint4 v;
-  __device__ __forceinline__ void load(const unsigned* p) { v = load_words(p); }
-  __device__ __forceinline__ bool current(unsigned tag) const { return bulk_stream::current(v, tag); }
-  __device__ __forceinline__ void put(float* dst, int g) const {
-    *reinterpret_cast<float4*>(dst + 4 * g) = word_values(v);
-  }
-};
-
-struct F32Group {
-  ulonglong2 v;
-  __device__ __forceinline__ void load(const unsigned long long* p) {
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
-  }
-  __device__ __forceinline__ bool current(unsigned tag) const { return (v.x >> 32) == tag && (v.y >> 32) == tag; }
-  __device__ __forceinline__ void put(float* dst, int g) const {
-    dst[2 * g] = __uint_as_float(static_cast<unsigned>(v.x));
-    dst[2 * g + 1] = __uint_as_float(static_cast<unsigned>(v.y));
-  }
-};
 
 // A hand-off polled in one round trip: each consumer thread loads all of its (up to kMax) groups
 // before it waits on any, then reloads only groups whose tags are not yet current. Group g (< groups)
@@ -242,14 +215,6 @@ struct Fragments {
     }
   }
 };
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& a, const unsigned (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b[0]), "r"(b[1]));
-}
 
 // The 16 rows of NC chunks (a row spans them) against NC inputs' fragments, by tensor cores: each
 // warp sums its columns in two chains of mma; the warps' sums meet in shared memory (ring.red, one
