@@ -324,7 +324,8 @@ class FastDecoder:
         if self.persistent_kernel != "tagged":
             return
         if self._tagged is not None:
-            self._tagged.refresh(self)
+            if not torch.cuda.is_current_stream_capturing():  # a pack inside a graph would replay with it
+                self._tagged.refresh(self)
             return
         try:
             self._tagged = build_tagged_plan(self)  # compiles the kernel on first use
