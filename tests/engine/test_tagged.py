@@ -338,3 +338,59 @@ def test_generate_runs_the_tagged_launch(runner, monkeypatch):
     assert (got - want).abs().max() < 0.1, (got - want).abs().max()
     monkeypatch.setenv("COMPACTION_GYM_TAGGED", "0")
     assert fresh(True).decoder.persistent_kernel == "triton"
+
+
+def _decoder(**changes):
+    """A stand-in decoder with Qwen3-0.6B's shapes on the meta device, reported as on CUDA."""
+    from types import SimpleNamespace
+
+    meta = torch.device("meta")
+    layer = SimpleNamespace(
+        down=torch.empty(1024, 3072, device=meta), q_norm=torch.empty(128, device=meta),
+        k_norm=torch.empty(128, device=meta), qkv_bias=None, o_bias=None,
+    )  # fmt: skip
+    dec = SimpleNamespace(
+        device=torch.device("cuda"), dtype=torch.bfloat16, embed=torch.empty(151936, 1024, device=meta),
+        n_q=16, n_kv=8, head_dim=128, sm_count=132, layers=[layer],
+    )  # fmt: skip
+    for key, value in changes.items():
+        target = layer if hasattr(layer, key) else dec
+        setattr(target, key, value)
+    return dec
+
+
+@pytest.mark.parametrize(
+    ("changes", "capability", "reason"),
+    [
+        ({}, (9, 0), None),
+        ({"device": torch.device("cpu")}, (9, 0), "needs CUDA"),
+        ({"dtype": torch.float16}, (9, 0), "bf16 only"),
+        ({"head_dim": 64}, (9, 0), "Qwen3-0.6B's shape"),
+        ({"down": torch.empty(1024, 2816, device="meta")}, (9, 0), "'intermediate': 2816"),
+        ({"q_norm": None}, (9, 0), "q/k norms"),
+        ({"qkv_bias": torch.empty(4096, device="meta")}, (9, 0), "biases"),
+        ({}, (8, 0), "Hopper GPU (compute capability 9.x, not 8.0)"),
+        ({}, (10, 0), "not 10.0"),
+        ({"sm_count": 114}, (9, 0), "128 to 256 multiprocessors, not 114"),
+    ],
+)
+def test_tagged_supported_names_what_is_missing(monkeypatch, changes, capability, reason):
+    """Each unmet requirement is named (shape checks need no device: a CPU run asks the same)."""
+    from compaction_gym.engine.fast.tagged import tagged_supported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: True)
+    got = tagged_supported(_decoder(**changes))
+    assert got is None if reason is None else reason in got
+
+
+def test_tagged_supported_needs_a_compiler_and_ninja(monkeypatch):
+    from compaction_gym.engine.fast.tagged import tagged_supported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
+    assert "nvcc" in tagged_supported(_decoder())
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: False)
+    assert "ninja" in tagged_supported(_decoder())

@@ -50,9 +50,6 @@ def tagged_supported(decoder) -> str | None:
     """Why :func:`tagged_layers` cannot run ``decoder``'s model here, or ``None`` when it can."""
     if decoder.device.type != "cuda":
         return "needs CUDA"
-    major, _ = torch.cuda.get_device_capability(decoder.device)
-    if major != 9:
-        return f"needs a Hopper GPU (compute capability 9.x, not {major}.x)"
     if decoder.dtype != torch.bfloat16:
         return f"weights in {decoder.dtype} (bf16 only)"
     lw = decoder.layers[0]
@@ -69,12 +66,17 @@ def tagged_supported(decoder) -> str | None:
         return "needs q/k norms (Qwen3)"
     if lw.qkv_bias is not None or lw.o_bias is not None:
         return "projections with biases"
+    major, minor = torch.cuda.get_device_capability(decoder.device)
+    if major != 9:
+        return f"needs a Hopper GPU (compute capability 9.x, not {major}.{minor})"
     if not 128 <= decoder.sm_count <= 256:
         return f"needs 128 to 256 multiprocessors, not {decoder.sm_count}"
-    from torch.utils.cpp_extension import CUDA_HOME
+    from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
 
     if CUDA_HOME is None:
         return "needs the CUDA toolkit's nvcc (CUDA_HOME) to build the kernel"
+    if not is_ninja_available():
+        return "needs ninja to build the kernel (pip install ninja)"
     return None
 
 
