@@ -298,6 +298,17 @@ def test_weights_packed_again_after_they_change(runner):
         with torch.no_grad():
             down.copy_(saved)
     assert plan.refresh(dec)
+    # a write through .data moves no version counter: weights_changed packs again
+    dec._tagged = plan
+    down.data.mul_(2.0)
+    try:
+        assert not plan.refresh(dec)
+        dec.weights_changed()
+        assert torch.equal(plan.weights[1], build_tagged_plan(dec).weights[1])
+    finally:
+        down.data.copy_(saved)
+        dec.weights_changed()
+        dec._tagged = None
 
 
 @pytest.mark.gpu

@@ -333,6 +333,13 @@ class FastDecoder:
             logger.warning("tagged layers unavailable (%s: %s); using the Triton persistent launch", type(err).__name__, err)
             self.persistent_kernel = "triton"
 
+    def weights_changed(self) -> None:
+        """Say that weights were written where their version counters do not see it (through ``.data``):
+        the tagged launch's packed copy is packed again now (optimizer steps and ``load_state_dict`` need
+        no call: :meth:`refresh_packed` sees them)."""
+        if self._tagged is not None:
+            self._tagged.pack(self)
+
     # ------------------------------------------------------------------ projections
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wᵀ + b``: cuBLAS, or in captured graphs the split-K GEMV where it measured faster.

@@ -18,7 +18,7 @@ says why not otherwise. The kernel is compiled on first use (``torch.utils.cpp_e
 the CUDA toolkit's ``nvcc``, about a minute once). The packed weights are a second copy (0.85 GB
 at 0.6B); :meth:`TaggedPlan.refresh` packs them again when a parameter changed in place (its
 version counter moved: optimizer steps, ``load_state_dict``); writes through ``.data`` do not move
-it, so call :meth:`TaggedPlan.pack` after those.
+it, so call :meth:`~compaction_gym.engine.fast.model.FastDecoder.weights_changed` after those.
 """
 
 from __future__ import annotations
