@@ -327,3 +327,26 @@ def test_engine_results_do_not_depend_on_runner_or_chunk_length(tiny_model_path)
             assert [torch.equal(e1.indices, e2.indices) for e1, e2 in zip(want.events, got.events)] == [True] * len(want.events)
             assert len(got.events) == len(want.events)
             assert max((abs(x - y) for x, y in zip(want.logprobs, got.logprobs)), default=0) < 1e-4
+
+
+def test_a_chunk_raises_when_a_tagged_hand_off_was_lost(runners):
+    """A decode chunk checks the tagged launch's count of polls that gave up (CPU: the count set by
+    hand, as a lost hand-off would leave it): it raises naming it, and the count restarts."""
+    from compaction_gym.engine.fast.tagged import TaggedPlan
+
+    _, fast = runners
+    dec = fast.decoder
+    empty = torch.zeros(0)
+    dec._tagged = TaggedPlan(
+        weights=empty, norms=empty, table=empty, words=empty, part=empty,
+        state=torch.tensor([5, 0, 3], dtype=torch.int32), h0=empty, out=empty, versions=(),
+    )  # fmt: skip
+    try:
+        fast.forward([RowFeed(0, list(range(10, 20)), 0)])
+        rows = [DecodeRow(slot=0, token=3, start=10, params=SamplingParams(temperature=0.0), max_steps=4)]
+        with pytest.raises(RuntimeError, match="gave up on 3 hand-off polls"):
+            fast.decode_chunk(rows, 4)
+        assert dec._tagged.faults() == 0 and fast.cache.length(0) == 10  # the chunk's steps not kept
+        assert len(fast.decode_chunk(rows, 2)[0][0]) == 2 and fast.cache.length(0) == 12
+    finally:
+        dec._tagged = None

@@ -333,6 +333,20 @@ class FastDecoder:
             logger.warning("tagged layers unavailable (%s: %s); using the Triton persistent launch", type(err).__name__, err)
             self.persistent_kernel = "triton"
 
+    def check_handoffs(self) -> None:
+        """Raise if a tagged launch gave up waiting for a hand-off since the last check (its outputs are
+        wrong: docs/fast-path.md, "Tagged hand-offs"); the count restarts. Reads one device word."""
+        if self._tagged is None:
+            return
+        lost = self._tagged.faults()
+        if lost:
+            self._tagged.state[2] = 0
+            raise RuntimeError(
+                f"the tagged batch-1 launch gave up on {lost} hand-off polls: the tokens and cached K/V of its "
+                "steps since the last check are wrong (did other work hold multiprocessors while it ran?); "
+                "COMPACTION_GYM_TAGGED=0 keeps the Triton launch"
+            )
+
     def weights_changed(self) -> None:
         """Say that weights were written where their version counters do not see it (through ``.data``):
         the tagged launch's packed copy is packed again now (optimizer steps and ``load_state_dict`` need

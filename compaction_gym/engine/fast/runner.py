@@ -489,6 +489,7 @@ class FastModelRunner:
             else:
                 self._decode_body(bucket, kind, record)
         tokens, logprobs = self._fetch_outputs(batch, steps)
+        self.decoder.check_handoffs()  # after the chunk's wait: one word more
         out = []
         for b, r in enumerate(rows):
             m = cut_at_stop(tokens[b], limits[b], r.stop_ids)
