@@ -40,6 +40,7 @@
 //     h_mid.
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <torch/extension.h>
 
@@ -646,6 +647,7 @@ void launch(const torch::Tensor& W, const torch::Tensor& norms, const torch::Ten
             torch::Tensor& out, const c10::optional<torch::Tensor>& q_out, const torch::Tensor& table,
             torch::Tensor& words, torch::Tensor& part, torch::Tensor& state, int64_t layers, double eps, double scale) {
   const auto bf16 = torch::kBFloat16;
+  const c10::cuda::OptionalCUDAGuard guard(W.device());  // the weights' device, whichever is current
   TORCH_CHECK(W.is_cuda() && W.scalar_type() == bf16 && W.is_contiguous() &&
                   W.numel() == layers * kLayerChunks * kChunkElems,
               "W: contiguous bf16 [layers, ", kLayerChunks, ", 16, 1024]");
