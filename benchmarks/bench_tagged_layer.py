@@ -50,7 +50,7 @@ import sys
 import torch
 from gpu_shapes import copy_bandwidth, cuda_extension, cuda_time, device_line, print_table, random_model
 
-from compaction_gym.engine.fast.tagged import balanced_tasks, mma_fragments
+from compaction_gym.engine.fast.tagged import balanced_tasks, fixed_chunks, mma_fragments
 
 CHUNK = (16, 1024)  # rows × columns of a 32 KB chunk
 A, B, C, D, E = 256, 128, 128, 384, 192  # chunks a layer, by phase (tagged_layer_cuda.cu)
@@ -187,19 +187,10 @@ def gate_up_pairs(programs: int, balanced: bool) -> torch.Tensor:
             table[b, (table[b] >= 0).sum()] = j
         return table
     for b, pairs in enumerate(
-        balanced_tasks(D // 2, [4] * programs, fixed_chunks(programs, today_c_e=True), 2)
+        balanced_tasks(D // 2, [4] * programs, fixed_chunks(programs), 2)
     ):
         table[b, : len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
     return table
-
-
-def fixed_chunks(programs: int, today_c_e: bool = False) -> list[int]:
-    """Each block's A and B chunks a layer (tagged_layer_cuda.cu's block_chunks), and ``today_c_e``
-    its C and E chunks in today's layout (2 on even blocks below 128, 3 on odd ones)."""
-    return [
-        len(range(b, A, programs)) + (programs - 1 - b < B) + (b < 128) * (2 + b % 2) * today_c_e
-        for b in range(programs)
-    ]
 
 
 def spread_tasks(programs: int, only_d: bool = False, down_early: bool = False) -> torch.Tensor:
@@ -216,7 +207,7 @@ def spread_tasks(programs: int, only_d: bool = False, down_early: bool = False) 
     if down_early and not only_d:
         raise ValueError("down_early: only with only_d")
     table = torch.full((programs, 6), -1, dtype=torch.int32)
-    load = fixed_chunks(programs, today_c_e=only_d)
+    load = fixed_chunks(programs, output_and_down=only_d)
     cap = -(-D // programs)
     d_caps = [cap] * programs
     if down_early:

@@ -63,7 +63,7 @@ constexpr int kChunkElems = 16 * kCols;     // 32 KB of bf16
 constexpr int kChunkBytes = kChunkElems * 2;
 constexpr int kPieces = 4;                  // 8 KB copies a chunk, each with its own mbarrier
 constexpr int kMaxSlots = 6;                // the ring's slots: 5 or 6 (``slots``)
-constexpr int kConsumers = 256;
+constexpr int kConsumers = kConsumerThreads;
 constexpr int kA = 256, kB = 128, kC = 128, kD = 384, kE = 192;  // chunks a layer, by phase
 constexpr int kLayerChunks = kA + kB + kC + kD + kE;             // 1,088
 constexpr int kB0 = kA, kC0 = kB0 + kB, kD0 = kC0 + kC, kE0 = kD0 + kD;
@@ -97,39 +97,6 @@ struct Shared {
 
 __device__ __forceinline__ unsigned tag_of(unsigned seq, int layers, int layer, int handoff) {
   return 1u + (seq * 6u * layers + layer * 6u + handoff) % 65535u;
-}
-
-// A phase's input, polled in one round trip: each consumer thread loads all of its (up to kMax)
-// groups before it waits on any, then reloads only groups whose tags are not yet current (at most
-// ``limit`` loads a group; for timing only, 1: read once, unchecked; 0: not read at all), ``backoff``
-// ns apart (0: at once). Group g (< groups) is read from src(g). Polling group by group would cost a
-// round trip each: 26 a layer, not 6. The caller synchronises the consumers afterwards.
-template <class Group, int kMax, class Src>
-__device__ __forceinline__ void poll(int groups, Src src, float* dst, unsigned tag, unsigned limit, unsigned backoff) {
-  if (limit == 0) return;
-  Group v[kMax];
-#pragma unroll
-  for (int k = 0; k < kMax; ++k) {
-    const int g = threadIdx.x + k * kConsumers;
-    if (g < groups) v[k].load(src(g));
-  }
-#pragma unroll
-  for (int k = 0; k < kMax; ++k) {
-    const int g = threadIdx.x + k * kConsumers;
-    if (g >= groups) break;
-    for (unsigned spins = 1; !v[k].current(tag) && spins < limit; ++spins) {
-      if (backoff) __nanosleep(backoff);
-      v[k].load(src(g));
-    }
-    v[k].put(dst, g);
-  }
-}
-
-// n bf16 words of X from its start (n a multiple of 4, at most kMax * 1,024).
-template <int kMax>
-__device__ __forceinline__ void poll_bf16(const unsigned* X, int n, unsigned tag, float* dst, unsigned limit,
-                                          unsigned backoff) {
-  poll<Bf16Group, kMax>(n / 4, [X](int g) { return X + 4 * g; }, dst, tag, limit, backoff);
 }
 
 // x[i] / rms(x) into xn (1,024 values). Thread t reads only x[4t, 4t + 4), which poll_bf16 of 1,024
@@ -306,35 +273,20 @@ __device__ __forceinline__ void rows_dot(Ring& ring, const Input& input, float (
 // < 8 gets rows 2p and 2p + 1 (owner_pair).
 template <int NC, class Input>
 __device__ __forceinline__ void rows_mma(Ring& ring, const Input& input, float (&acc)[2]) {
-  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   float d[2][4] = {};
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
-    const unsigned char* chunk = ring.wait(warp / 2);  // the copy that holds the warp's fragments
+    const unsigned char* chunk = ring.wait(threadIdx.x >> 6);  // the copy that holds the warp's fragments
     if (ring.math) {
       unsigned b[8][2];
       input.fragments(c, b);
-      const uint4* a = reinterpret_cast<const uint4*>(chunk) + warp * 8 * 32 + lane;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) mma_bf16(d[k % 2], a[k * 32], b[k]);
+      mma_chunk(d, chunk, b);
     }
     ring.release();
   }
   float (*red)[16] = ring.red[ring.buf];
   ring.buf ^= 1;
-  if ((lane & 3) == 0) {  // columns 0 and 1 of B are the same x: d[.][0] is row g's sum, d[.][2] row g + 8's
-    red[warp][lane >> 2] = d[0][0] + d[1][0];
-    red[warp][(lane >> 2) + 8] = d[0][2] + d[1][2];
-  }
-  consumers_sync();
-  if (t < 8)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) s += red[w][2 * t + r];
-      acc[r] = s;
-    }
+  meet_warp_sums(d, red, acc);
 }
 
 // A 16-row task's sums, as rows_dot (lane 0 of warp w: rows 2w, 2w + 1) or with tensor cores rows_mma

@@ -135,12 +135,15 @@ def balanced_tasks(tasks: int, caps: list[int], load: list[int], chunks: int = 1
     return assigned
 
 
-def fixed_chunks(programs: int) -> list[int]:
+def fixed_chunks(programs: int, output_and_down: bool = True) -> list[int]:
     """Each block's chunks a layer outside gate/up, at 1,024 cached rows: its q/k/v chunks (b, b + P,
-    ...), its attention chunk (block P - 1 - task), and 2 output-projection chunks on even blocks below
-    128, 3 of down on odd ones."""
+    ...), its attention chunk (block P - 1 - task), and (``output_and_down``) 2 output-projection
+    chunks on even blocks below 128, 3 of down on odd ones."""
     qkv = PHASE_CHUNKS["qkv"]
-    return [len(range(b, qkv, programs)) + (programs - 1 - b < TASKS) + (b < 128) * (2 + b % 2) for b in range(programs)]
+    return [
+        len(range(b, qkv, programs)) + (programs - 1 - b < TASKS) + (b < 128) * (2 + b % 2) * output_and_down
+        for b in range(programs)
+    ]
 
 
 def gate_up_table(programs: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// The 256 consumer threads of a block whose last warp is a producer (named barrier 1).
+// The 256 consumer threads of a block whose last warps are a producer (named barrier 1).
+constexpr int kConsumerThreads = 256;
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned long long evict_first_policy() {
@@ -158,7 +159,7 @@ __device__ __forceinline__ void warp_sums(float (&v)[N]) {
 
 // What tagged_layers.cu (the engine's kernel) and tagged_layer_cuda.cu (its benchmark) share: the
 // hand-off stores, the two kinds of 16-byte groups a hand-off is
-// polled in, and tensor cores' m16n8k16.
+// polled in, the poll, and tensor cores' m16n8k16 over a packed chunk.
 
 __device__ __forceinline__ void hand_bf16(unsigned* X, int i, float v, unsigned tag) {
   store_word(X + i, tagged_word(v, tag));
@@ -203,6 +204,73 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& a, const un
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b[0]), "r"(b[1]));
+}
+
+// A hand-off polled in one round trip by the consumers (kConsumerThreads): each thread loads all of
+// its (up to kMax) groups before it waits on any, then reloads only groups whose tags are not yet
+// current: at most ``limit`` loads a group (for timing only, 1: read once, unchecked; 0: not read at
+// all), ``backoff`` ns apart (0: at once). Group g (< groups) is read from src(g). A group still stale
+// after its loads is taken as it is and, given ``faults``, counted there (wrong outputs, not a hang).
+// Polling group by group would cost a round trip each: 26 a layer, not 6. The caller synchronises the
+// consumers afterwards.
+template <class Group, int kMax, class Src>
+__device__ __forceinline__ void poll(int groups, Src src, float* dst, unsigned tag, unsigned limit, unsigned backoff,
+                                     unsigned* faults = nullptr) {
+  if (limit == 0) return;
+  Group v[kMax];
+#pragma unroll
+  for (int k = 0; k < kMax; ++k) {
+    const int g = threadIdx.x + k * kConsumerThreads;
+    if (g < groups) v[k].load(src(g));
+  }
+#pragma unroll
+  for (int k = 0; k < kMax; ++k) {
+    const int g = threadIdx.x + k * kConsumerThreads;
+    if (g >= groups) break;
+    unsigned spins = 1;
+    for (; !v[k].current(tag) && spins < limit; ++spins) {
+      if (backoff) __nanosleep(backoff);
+      v[k].load(src(g));
+    }
+    if (faults != nullptr && spins == limit) atomicAdd(faults, 1u);  // gave up (or current at the last load)
+    v[k].put(dst, g);
+  }
+}
+
+// n bf16 words of X from its start (n a multiple of 4, at most kMax * 1,024).
+template <int kMax>
+__device__ __forceinline__ void poll_bf16(const unsigned* X, int n, unsigned tag, float* dst, unsigned limit,
+                                          unsigned backoff, unsigned* faults = nullptr) {
+  poll<Bf16Group, kMax>(n / 4, [X](int g) { return X + 4 * g; }, dst, tag, limit, backoff, faults);
+}
+
+// A chunk packed as m16n8k16 A fragments (warp w's 8 k-tiles, 16 bytes a lane a tile) against the
+// warp's B fragments b, summed in two chains: d[k % 2] += a_k · b_k.
+__device__ __forceinline__ void mma_chunk(float (&d)[2][4], const unsigned char* chunk, const unsigned (&b)[8][2]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const uint4* a = reinterpret_cast<const uint4*>(chunk) + warp * 8 * 32 + lane;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mma_bf16(d[k % 2], a[k * 32], b[k]);
+}
+
+// The 8 consumer warps' sums d of a 16-row task meet in shared memory (red, a consumer barrier):
+// thread p < 8 gets rows 2p and 2p + 1 in acc. B's columns are all the same input, so d[.][0] is row
+// g's sum and d[.][2] row g + 8's (g = lane / 4).
+__device__ __forceinline__ void meet_warp_sums(const float (&d)[2][4], float (*red)[16], float (&acc)[2]) {
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  if ((lane & 3) == 0) {
+    red[warp][lane >> 2] = d[0][0] + d[1][0];
+    red[warp][(lane >> 2) + 8] = d[0][2] + d[1][2];
+  }
+  consumers_sync();
+  if (t < 8)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) s += red[w][2 * t + r];
+      acc[r] = s;
+    }
 }
 
 }  // namespace bulk_stream

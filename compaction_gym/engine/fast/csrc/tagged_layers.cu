@@ -57,7 +57,7 @@ constexpr int kChunkBytes = 2 * kChunkElems;
 constexpr int kPieces = 4;  // 8 KB copies a chunk, each with its own mbarrier
 constexpr int kSlots = 5;
 constexpr int kAhead = 2;  // 8 KB copies a block may have requested and not yet received
-constexpr int kConsumers = 256;
+constexpr int kConsumers = kConsumerThreads;
 constexpr int kA = 256, kC = 128, kD = 384, kE = 192;  // weight chunks a layer, by phase
 constexpr int kLayerChunks = kA + kC + kD + kE;       // 960
 constexpr int kC0 = kA, kD0 = kC0 + kC, kE0 = kD0 + kD;
@@ -124,34 +124,6 @@ __device__ __forceinline__ float4 load_bf16x4(const __nv_bfloat16* p) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
   return make_float4(a.x, a.y, b.x, b.y);
-}
-
-// A hand-off polled in one round trip: each consumer thread loads all of its (up to kMax) groups
-// before it waits on any, then reloads only groups whose tags are not yet current. Group g (< groups)
-// is read from src(g). A group still stale after kSpinLimit polls is taken as it is and counted in
-// ``faults`` (wrong outputs, not a hang; tagged.py raises). The caller synchronises the consumers.
-template <class Group, int kMax, class Src>
-__device__ __forceinline__ void poll(int groups, Src src, float* dst, unsigned tag, unsigned* faults) {
-  Group v[kMax];
-#pragma unroll
-  for (int k = 0; k < kMax; ++k) {
-    const int g = threadIdx.x + k * kConsumers;
-    if (g < groups) v[k].load(src(g));
-  }
-#pragma unroll
-  for (int k = 0; k < kMax; ++k) {
-    const int g = threadIdx.x + k * kConsumers;
-    if (g >= groups) break;
-    unsigned spins = 1;
-    for (; !v[k].current(tag) && spins < kSpinLimit; ++spins) v[k].load(src(g));
-    if (spins == kSpinLimit) atomicAdd(faults, 1u);
-    v[k].put(dst, g);
-  }
-}
-
-template <int kMax>
-__device__ __forceinline__ void poll_bf16(const unsigned* X, int n, unsigned tag, float* dst, unsigned* faults) {
-  poll<Bf16Group, kMax>(n / 4, [X](int g) { return X + 4 * g; }, dst, tag, faults);
 }
 
 // HF's RMSNorm of x (1,024 values) into xn: bf16(w * bf16(x / rms(x))); thread t's weights w4 are
@@ -222,31 +194,15 @@ struct Fragments {
 // buffer per call in turn, a consumer barrier), and thread p < 8 gets rows 2p and 2p + 1.
 template <int NC>
 __device__ __forceinline__ void rows_mma(Ring& ring, const Fragments* in, float (&acc)[2]) {
-  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   float d[2][4] = {};
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
-    const unsigned char* chunk = ring.wait(warp / 2);  // the copy that holds the warp's fragments
-    const uint4* a = reinterpret_cast<const uint4*>(chunk) + warp * 8 * 32 + lane;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) mma_bf16(d[k % 2], a[k * 32], in[c].b[k]);
+    mma_chunk(d, ring.wait(threadIdx.x >> 6), in[c].b);  // the copy that holds the warp's fragments
     ring.release();
   }
   float (*red)[16] = ring.red[ring.buf];
   ring.buf ^= 1;
-  if ((lane & 3) == 0) {  // columns 0 and 1 of B are the same x: d[.][0] is row g's sum, d[.][2] row g + 8's
-    red[warp][lane >> 2] = d[0][0] + d[1][0];
-    red[warp][(lane >> 2) + 8] = d[0][2] + d[1][2];
-  }
-  consumers_sync();
-  if (t < 8)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) s += red[w][2 * t + r];
-      acc[r] = s;
-    }
+  meet_warp_sums(d, red, acc);
 }
 
 // Rows 16r .. 16r + 15 of a projection whose rows span NC chunks, against hand-off X (NC x 1,024
@@ -256,7 +212,7 @@ template <int NC>
 __device__ __forceinline__ void project_residual(Ring& ring, const unsigned* X, unsigned tag_in, float* xs,
                                                  const float* residual, unsigned* XN, unsigned tag_out, int r,
                                                  __nv_bfloat16* out, unsigned* faults) {
-  poll_bf16<NC>(X, NC * kCols, tag_in, xs, faults);
+  poll_bf16<NC>(X, NC * kCols, tag_in, xs, kSpinLimit, 0, faults);
   consumers_sync();
   Fragments in[NC];
 #pragma unroll
@@ -415,7 +371,7 @@ __device__ void attend_task(Ring& ring, Shared& sh, const Params& pr, const Task
   const unsigned* k = pr.ho.qkv + 2048 + kHeadDim * tk.head;
   const unsigned* v = pr.ho.qkv + 3072 + kHeadDim * tk.head;
   const auto src = [=](int g) { return g < 64 ? q + 4 * g : g < 96 ? k + 4 * (g - 64) : v + 4 * (g - 96); };
-  poll<Bf16Group, 1>(128, src, sh.qkv, tag_in, faults);
+  poll<Bf16Group, 1>(128, src, sh.qkv, tag_in, kSpinLimit, 0, faults);
   consumers_sync();
   if (warp < 3) norm_rope(sh.qkv + kHeadDim * warp, w, cs, sn, pr.eps);
   if (t < 2) sh.stats[t][0] = -INFINITY, sh.stats[t][1] = 0.f;
@@ -565,7 +521,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1) tagged_layers_kernel(const
     // A: h through in_norm; q/k/v rows
     const float4 w_in = load_bf16x4(norms + 4 * t);
     if (layer == 0) *reinterpret_cast<float4*>(sh.h + 4 * t) = load_bf16x4(pr.h0 + 4 * t);
-    else poll_bf16<1>(pr.ho.h, kCols, tag_of(seq, pr.layers, layer - 1, 5), sh.h, faults);
+    else poll_bf16<1>(pr.ho.h, kCols, tag_of(seq, pr.layers, layer - 1, 5), sh.h, kSpinLimit, 0, faults);
     normalise(sh.h, sh.xn, sh.red, w_in, pr.eps);
     {
       const Fragments in(sh.xn);
@@ -584,7 +540,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1) tagged_layers_kernel(const
       const int kv = b / 2, qh = b % 2;
       const unsigned long long* part = pr.ho.part;
       const auto src = [=](int g) { return part + ((kv * kSplits + g / (kPart / 2)) * 2 + qh) * kPart + 2 * (g % (kPart / 2)); };
-      poll<F32Group, 5>(kSplits * kPart / 2, src, sh.part, tag(1), faults);
+      poll<F32Group, 5>(kSplits * kPart / 2, src, sh.part, tag(1), kSpinLimit, 0, faults);
       consumers_sync();
       if (t < kHeadDim) {
         float m = -INFINITY;
@@ -604,7 +560,7 @@ __global__ void __launch_bounds__(kConsumers + 32, 1) tagged_layers_kernel(const
     if (has_c) project_residual<2>(ring, pr.ho.att, tag(2), sh.att, sh.h, pr.ho.hmid, tag(3), b / 2, nullptr, faults);
     // D: h_mid through post_norm; gate and up rows, silu(gate) * up
     const float4 w_post = load_bf16x4(norms + kCols + 4 * t);
-    poll_bf16<1>(pr.ho.hmid, kCols, tag(3), sh.hmid, faults);
+    poll_bf16<1>(pr.ho.hmid, kCols, tag(3), sh.hmid, kSpinLimit, 0, faults);
     normalise(sh.hmid, sh.xn, sh.red, w_post, pr.eps);
     {
       const Fragments in(sh.xn);
