@@ -104,15 +104,7 @@ __device__ __forceinline__ unsigned tag_of(unsigned seq, int layers, int layer, 
 __device__ __forceinline__ void normalise(const float* x, float* xn, float* red) {
   const int t = threadIdx.x;
   const float4 v = *reinterpret_cast<const float4*>(x + 4 * t);
-  float s = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-  if ((t & 31) == 0) red[t >> 5] = s;
-  consumers_sync();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) total += red[w];
-  const float inv = rsqrtf(total / kCols + 1e-6f);
+  const float inv = inv_rms_1024(v, red, 1e-6f);
   *reinterpret_cast<float4*>(xn + 4 * t) = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
   consumers_sync();
 }
@@ -369,18 +361,7 @@ __device__ __forceinline__ void attend(Ring& ring, Shared& sh, unsigned long lon
       v[2 * r] = q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y;
       v[2 * r + 1] = q1.x * a.x + q1.y * a.y + q1.z * b.x + q1.w * b.y;
     }
-    // Halving exchanges: at the step over lane bit k, a lane keeps the half of its values its bit
-    // selects and adds its partner's copy of that half; lane l ends with value l / 2 (summed over all).
-#pragma unroll
-    for (int m = 16, n = 8; m > 1; m >>= 1, n >>= 1) {
-      const bool upper = lane & m;
-#pragma unroll
-      for (int i = 0; i < n; ++i) {
-        const float send = upper ? v[i] : v[i + n], keep = upper ? v[i + n] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
-      }
-    }
-    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+    halving_sums16(v, lane);  // lane l: value l / 2's sum
     if ((lane & 1) == 0) sh.scores[lane & 2 ? 1 : 0][8 * warp + (lane >> 2)] = v[0] * scale;
   } else {
 #pragma unroll

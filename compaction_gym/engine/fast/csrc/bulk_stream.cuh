@@ -273,4 +273,36 @@ __device__ __forceinline__ void meet_warp_sums(const float (&d)[2][4], float (*r
     }
 }
 
+// 1 / rms of a 1,024-vector whose 4 values 4t .. 4t + 3 thread t holds in v (sums meet in red[8],
+// a consumer barrier): rsqrt(mean(x^2) + eps), the same in every consumer thread.
+__device__ __forceinline__ float inv_rms_1024(const float4& v, float* red, float eps) {
+  const int t = threadIdx.x;
+  float s = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+  if ((t & 31) == 0) red[t >> 5] = s;
+  consumers_sync();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) total += red[w];
+  return rsqrtf(total / 1024 + eps);
+}
+
+// Each lane's 16 values summed over the warp together by halving exchanges (16 shuffles, not 80): at
+// the step over lane bit m a lane keeps the half of its values its bit selects and adds its
+// partner's copy of that half; after a last plain exchange over bit 0, lane l holds in v[0] the sum
+// of value l / 2.
+__device__ __forceinline__ void halving_sums16(float (&v)[16], int lane) {
+#pragma unroll
+  for (int m = 16, n = 8; n >= 1; m >>= 1, n >>= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+      const float send = upper ? v[i] : v[i + n], keep = upper ? v[i + n] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+    }
+  }
+  v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+}
+
 }  // namespace bulk_stream

@@ -132,15 +132,7 @@ __device__ __forceinline__ float4 load_bf16x4(const __nv_bfloat16* p) {
 __device__ __forceinline__ void normalise(const float* x, float* xn, float* red, float4 w4, float eps) {
   const int t = threadIdx.x;
   const float4 v = *reinterpret_cast<const float4*>(x + 4 * t);
-  float s = v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-  if ((t & 31) == 0) red[t >> 5] = s;
-  consumers_sync();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) total += red[w];
-  const float inv = rsqrtf(total / kCols + eps);
+  const float inv = inv_rms_1024(v, red, eps);
   *reinterpret_cast<float4*>(xn + 4 * t) = make_float4(bf16r(w4.x * bf16r(v.x * inv)), bf16r(w4.y * bf16r(v.y * inv)),
                                                        bf16r(w4.z * bf16r(v.z * inv)), bf16r(w4.w * bf16r(v.w * inv)));
   consumers_sync();
@@ -286,19 +278,7 @@ __device__ __forceinline__ void attend_rows(Ring& ring, Shared& sh, int r0, int 
     s[2 * r] = q0.x * a.x + q0.y * a.y + q0.z * b.x + q0.w * b.y;
     s[2 * r + 1] = q1.x * a.x + q1.y * a.y + q1.z * b.x + q1.w * b.y;
   }
-  // Halving exchanges: at the step over lane bit m, a lane keeps the half of its values its bit
-  // selects and adds its partner's copy of that half; after a last plain exchange over bit 0, lane l
-  // holds value l / 2, summed over all lanes (16 shuffles, not 80).
-#pragma unroll
-  for (int m = 16, n = 8; n >= 1; m >>= 1, n >>= 1) {
-    const bool upper = lane & m;
-#pragma unroll
-    for (int i = 0; i < n; ++i) {
-      const float send = upper ? s[i] : s[i + n], keep = upper ? s[i + n] : s[i];
-      s[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
-    }
-  }
-  s[0] += __shfl_xor_sync(0xffffffffu, s[0], 1);
+  halving_sums16(s, lane);  // lane l: value l / 2's sum
   const int my_row = 8 * warp + (lane >> 2);
   if ((lane & 1) == 0) sh.scores[lane & 2 ? 1 : 0][my_row] = my_row < valid ? s[0] * scale + beta_row : -INFINITY;
   consumers_sync();
